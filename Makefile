@@ -1,0 +1,31 @@
+# Every target bootstraps .venv from the pinned requirements first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STORE ?= demo-store
+
+.PHONY: venv demo test bench schemas clean
+
+$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip==25.3
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/python -m snapformat.demo --store "$(STORE)"
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/python -m benchmarks.run
+
+schemas: venv
+	$(BIN)/python -m schemas spec/schemas
+
+clean:
+	rm -rf $(VENV) demo-store .pytest_cache .hypothesis

@@ -1,0 +1,91 @@
+"""Identifier rules shared with NeMo Gym, and the safe-name rule for anything that becomes a path.
+
+Gym's rules (``nemo_gym/episode_types.py``): a rollout id is non-empty, matches
+``^[A-Za-z0-9][A-Za-z0-9._-]*$`` and does not end in ``-a<N>``; the capture key of attempt ``n``
+is the rollout id when ``n == 0`` and ``<rollout_id>-a<n>`` otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+from schemas.errors import InvalidPathError, InvalidRecordError
+
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ATTEMPT_SUFFIX_RE = re.compile(r"-a[0-9]+$")
+MAX_NAME_LEN = 200
+MAX_PATH_LEN = 1024
+MAX_PATH_DEPTH = 16
+
+
+def check_rollout_id(rollout_id: str, where: str = "rollout_id") -> str:
+    """Return ``rollout_id`` if it follows Gym's rule, else raise :class:`InvalidRecordError`."""
+    if not isinstance(rollout_id, str) or not _ID_RE.fullmatch(rollout_id):
+        raise InvalidRecordError(
+            f"{where}: {rollout_id!r} is not a rollout id (expected ^[A-Za-z0-9][A-Za-z0-9._-]*$)"
+        )
+    if len(rollout_id) > MAX_NAME_LEN:
+        raise InvalidRecordError(f"{where}: rollout id longer than {MAX_NAME_LEN} characters")
+    if _ATTEMPT_SUFFIX_RE.search(rollout_id):
+        raise InvalidRecordError(
+            f"{where}: rollout id {rollout_id!r} ends in '-a<N>', which is reserved for capture keys"
+        )
+    return rollout_id
+
+
+def capture_key(rollout_id: str, attempt: int) -> str:
+    """The capture key of ``attempt`` of ``rollout_id`` (``p7_g2``, ``p7_g2-a1``, ...)."""
+    check_rollout_id(rollout_id)
+    if attempt < 0:
+        raise InvalidRecordError(f"attempt_index: {attempt} is negative (expected >= 0)")
+    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+
+
+def check_capture_key(rollout_id: str, key: str, attempt_index: int, where: str = "capture_key") -> str:
+    """Gym's check: ``key`` is ``rollout_id`` or ``<rollout_id>-a<N>`` with ``1 <= N <= attempt_index``."""
+    check_rollout_id(rollout_id, where="rollout_id")
+    if key == rollout_id:
+        return key
+    prefix = rollout_id + "-a"
+    suffix = key[len(prefix):] if key.startswith(prefix) else ""
+    if suffix.isdigit() and suffix.isascii() and not (len(suffix) > 1 and suffix[0] == "0"):
+        n = int(suffix)
+        if 1 <= n <= attempt_index:
+            return key
+    raise InvalidRecordError(
+        f"{where}: {key!r} is not {rollout_id!r} or '{rollout_id}-a<N>' with 1 <= N <= {attempt_index}"
+    )
+
+
+def check_name(name: str, where: str = "name") -> str:
+    """A single path segment that is safe on every backend (no ``/``, ``..``, NUL, or leading dot)."""
+    if not isinstance(name, str) or not _ID_RE.fullmatch(name) or len(name) > MAX_NAME_LEN:
+        raise InvalidPathError(
+            f"{where}: {name!r} is not a safe name (expected ^[A-Za-z0-9][A-Za-z0-9._-]*$, "
+            f"at most {MAX_NAME_LEN} characters)"
+        )
+    if name.endswith("."):
+        raise InvalidPathError(f"{where}: {name!r} must not end in '.'")
+    return name
+
+
+def check_relative_path(path: str, where: str = "path") -> str:
+    """A ``/``-separated path relative to a snapshot folder whose every segment is a safe name.
+
+    Refuses absolute paths, ``..`` and ``.`` segments, backslashes, NUL and empty segments, so that
+    nothing a manifest or a participant names can point outside the snapshot folder.
+    """
+    if not isinstance(path, str) or not path:
+        raise InvalidPathError(f"{where}: empty path")
+    if len(path) > MAX_PATH_LEN:
+        raise InvalidPathError(f"{where}: path longer than {MAX_PATH_LEN} characters")
+    if "\x00" in path or "\\" in path or path.startswith("/"):
+        raise InvalidPathError(f"{where}: {path!r} must be a relative '/'-separated path without NUL")
+    segments = path.split("/")
+    if len(segments) > MAX_PATH_DEPTH:
+        raise InvalidPathError(f"{where}: {path!r} is deeper than {MAX_PATH_DEPTH} segments")
+    for seg in segments:
+        if seg in ("", ".", ".."):
+            raise InvalidPathError(f"{where}: {path!r} has an empty, '.' or '..' segment")
+        check_name(seg, where=f"{where} segment {seg!r}")
+    return path

@@ -1,0 +1,164 @@
+"""Arrow schemas of the two row tables, and the checks every row batch must pass.
+
+Required columns MUST be present with exactly these types (so a reader can memory-map them without
+conversion); a writer MAY add further columns, which readers ignore unless they know them.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas.errors import InvalidRecordError
+
+TOKEN_CAPTURE_SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int32(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("attempt_index", pa.int32(), nullable=False),
+        pa.field("capture_key", pa.string(), nullable=False),
+        pa.field("model_call_id", pa.string(), nullable=False),
+        pa.field("model", pa.string()),
+        pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("generation_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("generation_log_probs", pa.list_(pa.float32()), nullable=False),
+        pa.field("routed_experts", pa.list_(pa.list_(pa.int32()))),
+        pa.field("output_items", pa.string()),  # JSON text, as Gym holds it
+        pa.field("token_item_index", pa.int32()),
+        pa.field("response_id", pa.string()),
+        pa.field("created_at", pa.float64()),
+        pa.field("parent_call_id", pa.string()),
+        pa.field("cum_len", pa.int64(), nullable=False),
+        pa.field("digest", pa.string()),  # hex sha256 over the cumulative token sequence
+        pa.field("parent_resolution", pa.string()),  # root | resolved | unresolved
+        pa.field("prompt_is_delta", pa.bool_()),
+    ],
+    metadata={"snapformat.kind": "token_capture_rows", "snapformat.schema_version": "1"},
+)
+
+TRAINING_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),  # the TQ key of the sample
+        pa.field("partition_id", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("attempt_index", pa.int32(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("input_lengths", pa.int32(), nullable=False),
+        pa.field("generation_logprobs", pa.list_(pa.float32())),
+        pa.field("prev_logprobs", pa.list_(pa.float32())),
+        pa.field("reference_policy_logprobs", pa.list_(pa.float32())),
+        pa.field("advantages", pa.list_(pa.float32())),
+        pa.field("token_mask", pa.list_(pa.int8())),
+        pa.field("sample_mask", pa.float32()),
+    ],
+    metadata={"snapformat.kind": "training_rows", "snapformat.schema_version": "1"},
+)
+
+ROW_SCHEMAS: dict[str, pa.Schema] = {
+    "token_capture_rows": TOKEN_CAPTURE_SCHEMA,
+    "training_rows": TRAINING_SCHEMA,
+}
+
+_ROLLOUT_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+_RESERVED_SUFFIX_RE = r"-a[0-9]+$"
+_PARENT_RESOLUTIONS = pa.array(["root", "resolved", "unresolved"])
+
+
+def check_schema(kind: str, schema: pa.Schema, where: str) -> None:
+    """Every required column of ``kind`` is present with its exact type (extra columns allowed)."""
+    expected = ROW_SCHEMAS[kind]
+    for field in expected:
+        idx = schema.get_field_index(field.name)
+        if idx < 0:
+            raise InvalidRecordError(f"{where}: column {field.name!r} is missing (expected {field.type})")
+        got = schema.field(idx).type
+        if got != field.type:
+            raise InvalidRecordError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
+
+
+def conform(kind: str, batch: pa.RecordBatch, where: str) -> pa.RecordBatch:
+    """Cast a batch's required columns to the canonical types (int64 ids -> int32, ...).
+
+    Columns are reordered so required ones come first in spec order; extra columns keep their
+    order after them. A column that cannot be cast safely raises :class:`InvalidRecordError`.
+    """
+    expected = ROW_SCHEMAS[kind]
+    if batch.schema.remove_metadata().equals(expected.remove_metadata()):
+        return batch.replace_schema_metadata(expected.metadata)
+    arrays, fields = [], []
+    for field in expected:
+        idx = batch.schema.get_field_index(field.name)
+        if idx < 0:
+            if field.nullable:
+                arrays.append(pa.nulls(batch.num_rows, field.type))
+                fields.append(field)
+                continue
+            raise InvalidRecordError(f"{where}: column {field.name!r} is missing (expected {field.type})")
+        col = batch.column(idx)
+        if col.type != field.type:
+            try:
+                col = col.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise InvalidRecordError(
+                    f"{where}: column {field.name!r} of type {col.type} cannot become {field.type}: {exc}"
+                ) from None
+        arrays.append(col)
+        fields.append(field)
+    names = set(expected.names)
+    for i, field in enumerate(batch.schema):
+        if field.name not in names:
+            arrays.append(batch.column(i))
+            fields.append(field)
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=expected.metadata))
+
+
+def _first_bad(mask: pa.Array) -> int | None:
+    """Index of the first true value of a boolean mask (nulls count as true), or None."""
+    mask = pc.fill_null(mask, True)
+    if not pc.any(mask).as_py():
+        return None
+    return pc.index(mask, True).as_py()
+
+
+def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
+    """Row-level rules, vectorised: Gym's id and capture-key rules, matching list lengths."""
+    for name in ("rollout_id",):
+        col = batch.column(name)
+        bad = pc.or_(pc.invert(pc.match_substring_regex(col, _ROLLOUT_ID_RE)),
+                     pc.match_substring_regex(col, _RESERVED_SUFFIX_RE))
+        i = _first_bad(bad)
+        if i is not None:
+            raise InvalidRecordError(
+                f"{where}: row {i}: rollout_id {col[i].as_py()!r} breaks Gym's rule "
+                f"({_ROLLOUT_ID_RE}, no '-a<N>' suffix)"
+            )
+    attempt = batch.column("attempt_index")
+    i = _first_bad(pc.less(attempt, 0))
+    if i is not None:
+        raise InvalidRecordError(f"{where}: row {i}: attempt_index {attempt[i].as_py()} is negative")
+    if kind != "token_capture_rows":
+        return
+    rid, key = batch.column("rollout_id"), batch.column("capture_key")
+    expected_key = pc.if_else(
+        pc.equal(attempt, 0), rid,
+        pc.binary_join_element_wise(rid, pc.cast(attempt, pa.string()), "-a"),
+    )
+    i = _first_bad(pc.not_equal(key, expected_key))
+    if i is not None:
+        raise InvalidRecordError(
+            f"{where}: row {i}: capture_key {key[i].as_py()!r} is not the key of rollout "
+            f"{rid[i].as_py()!r} attempt {attempt[i].as_py()} (expected {expected_key[i].as_py()!r})"
+        )
+    gen, lp = batch.column("generation_token_ids"), batch.column("generation_log_probs")
+    i = _first_bad(pc.not_equal(pc.list_value_length(gen), pc.list_value_length(lp)))
+    if i is not None:
+        raise InvalidRecordError(
+            f"{where}: row {i}: generation_log_probs has {len(lp[i])} values for "
+            f"{len(gen[i])} generation_token_ids (expected equal lengths)"
+        )
+    res = batch.column("parent_resolution")
+    i = _first_bad(pc.and_(pc.is_valid(res), pc.invert(pc.is_in(res, value_set=_PARENT_RESOLUTIONS))))
+    if i is not None:
+        raise InvalidRecordError(
+            f"{where}: row {i}: parent_resolution {res[i].as_py()!r} is not root, resolved or unresolved"
+        )

@@ -1,0 +1,109 @@
+"""Arrow IPC row parts: streamed writes with bounded memory, memory-mapped reads.
+
+Both row tables are written as the Arrow IPC *file* format, uncompressed by default: the trainer
+memory-maps them and reads columns without a copy, and writing runs at disk speed (zstd IPC is
+~1.5x smaller on token rows but writes at ~0.3 GB/s here, which would put compression on the
+critical path of every save). ``compression="zstd"`` is available for cold copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pyarrow as pa
+import xxhash
+
+from schemas.errors import CorruptSnapshotError, InvalidRecordError
+from schemas.rows import ROW_SCHEMAS, check_schema, conform, validate_batch
+from snapformat.checksum import HashingWriter, check
+
+IPC_COMPRESSIONS = ("none", "zstd", "lz4")
+
+
+class RowsWriter:
+    """Writes record batches of one row kind into one Arrow IPC file, checking each batch."""
+
+    def __init__(self, raw, kind: str, where: str, compression: str = "none",
+                 schema: pa.Schema | None = None) -> None:
+        if kind not in ROW_SCHEMAS:
+            raise InvalidRecordError(f"{where}: {kind!r} is not a row kind (expected {sorted(ROW_SCHEMAS)})")
+        if compression not in IPC_COMPRESSIONS:
+            raise InvalidRecordError(f"{where}: compression {compression!r} is not one of {IPC_COMPRESSIONS}")
+        self.kind = kind
+        self.where = where
+        self._raw = raw
+        self._sink = HashingWriter(raw)
+        self._options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
+        self._schema = schema
+        self._writer: pa.ipc.RecordBatchFileWriter | None = None
+        self.records = 0
+        self.batches = 0
+
+    def write(self, data: pa.RecordBatch | pa.Table) -> None:
+        """Append a batch (or every batch of a table); the first one fixes the file's schema."""
+        batches = data.to_batches() if isinstance(data, pa.Table) else [data]
+        for batch in batches:
+            batch = conform(self.kind, batch, self.where)
+            validate_batch(self.kind, batch, f"{self.where}: batch {self.batches}")
+            if self._writer is None:
+                schema = self._schema or batch.schema
+                self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), schema, options=self._options)
+            try:
+                self._writer.write_batch(batch)
+            except pa.ArrowInvalid as exc:
+                raise InvalidRecordError(f"{self.where}: batch {self.batches} does not match the file's schema: {exc}") from None
+            self.records += batch.num_rows
+            self.batches += 1
+
+    def finish(self) -> tuple[int, str]:
+        """Write the footer; returns ``(size, checksum)``. The raw file is closed by the caller."""
+        if self._writer is None:  # an empty part still has a schema
+            self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), ROW_SCHEMAS[self.kind], options=self._options)
+        self._writer.close()
+        return self._sink.size, self._sink.checksum
+
+
+def write_rows(raw, kind: str, data: Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch,
+               where: str, compression: str = "none") -> tuple[RowsWriter, int, str]:
+    writer = RowsWriter(raw, kind, where, compression)
+    if isinstance(data, (pa.Table, pa.RecordBatch)):
+        data = [data]
+    for item in data:
+        writer.write(item)
+    size, checksum = writer.finish()
+    return writer, size, checksum
+
+
+def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str | None,
+                batches: int | None = None, records: int | None = None) -> pa.ipc.RecordBatchFileReader:
+    """Open a row part held in ``buf`` (memory-mapped or in memory) after checking it.
+
+    The size is always checked; the checksum when given (so corrupt bytes never reach Arrow's
+    parser). The schema and the batch and row counts must match the manifest.
+    """
+    if buf.size != size:
+        raise CorruptSnapshotError(f"{where}: size is {buf.size} bytes, the manifest says {size}")
+    if checksum is not None:
+        algo = checksum.partition(":")[0]
+        if algo == "xxh128":
+            actual = f"xxh128:{xxhash.xxh3_128(memoryview(buf)).hexdigest()}"
+        else:
+            from snapformat.checksum import checksum_bytes
+            actual = checksum_bytes(memoryview(buf), algo)
+        check(where, actual, checksum)
+    try:
+        reader = pa.ipc.open_file(buf)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+        raise CorruptSnapshotError(f"{where}: not a readable Arrow IPC file: {exc}") from None
+    check_schema(kind, reader.schema, where)
+    if batches is not None and reader.num_record_batches != batches:
+        raise CorruptSnapshotError(
+            f"{where}: has {reader.num_record_batches} record batches, the manifest says {batches}")
+    if records is not None:
+        try:
+            n = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptSnapshotError(f"{where}: unreadable record batch: {exc}") from None
+        if n != records:
+            raise CorruptSnapshotError(f"{where}: has {n} rows, the manifest says {records}")
+    return reader

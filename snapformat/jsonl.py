@@ -1,0 +1,208 @@
+"""JSON-lines parts: one msgspec-encoded record per line, plain or as one zstd frame.
+
+Writers compress when a part grows past :data:`ZSTD_THRESHOLD` uncompressed bytes (the spec's
+rule): small indexes stay readable with ``cat``, large ones shrink ~20x at ~1 GB/s. Readers decode
+through prebuilt typed decoders, never trust a size they have not checked against the manifest,
+and name the file, line and field of the first bad record.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterable, Iterator
+from functools import cache
+from typing import Any, BinaryIO
+
+import msgspec
+import zstandard
+
+from schemas.errors import CorruptSnapshotError, InvalidRecordError, SnapshotError
+from schemas.version import check_record_version
+
+ZSTD_THRESHOLD = 256 * 1024
+ZSTD_LEVEL = 3
+MAX_LINE = 16 << 20
+_CHUNK = 8 << 20
+_ENCODE_BATCH = 4096
+
+_encoder = msgspec.json.Encoder()
+
+
+@cache
+def decoder(record_type: Any) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(record_type)
+
+
+def encode_lines(records: Iterable[Any]) -> Iterator[bytes]:
+    """Encoded JSON lines, a few thousand records per chunk."""
+    batch: list[Any] = []
+    for rec in records:
+        batch.append(rec)
+        if len(batch) >= _ENCODE_BATCH:
+            yield _encoder.encode_lines(batch)
+            batch = []
+    if batch:
+        yield _encoder.encode_lines(batch)
+
+
+class WrittenJsonLines(msgspec.Struct, frozen=True):
+    compression: str
+    records: int
+    content_size: int
+
+
+def write_lines(
+    open_file: Callable[[str], BinaryIO],
+    records: Iterable[Any],
+    compress: str = "auto",
+) -> WrittenJsonLines:
+    """Stream ``records`` into a file made by ``open_file(compression)``.
+
+    ``compress`` is ``"auto"`` (zstd once the content passes the threshold), ``"zstd"`` or
+    ``"none"``. Memory stays bounded by the threshold plus one encoded chunk.
+    """
+    if compress not in ("auto", "zstd", "none"):
+        raise InvalidRecordError(f"compress: {compress!r} is not auto, zstd or none")
+    chunks = encode_lines(records)
+    pending: list[bytes] = []
+    pending_size = 0
+    count = 0
+    if compress == "auto":
+        for chunk in chunks:
+            pending.append(chunk)
+            pending_size += len(chunk)
+            if pending_size > ZSTD_THRESHOLD:
+                compress = "zstd"
+                break
+        else:
+            compress = "none"
+    fh = open_file(compress)
+    content = 0
+    try:
+        if compress == "zstd":
+            sink = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(fh, closefd=False)
+        else:
+            sink = fh
+        for chunk in _chain(pending, chunks):
+            sink.write(chunk)
+            content += len(chunk)
+            count += chunk.count(b"\n")
+        if compress == "zstd":
+            sink.flush(zstandard.FLUSH_FRAME)
+    except BaseException:
+        abort = getattr(fh, "abort", None)
+        if abort:
+            abort()
+        raise
+    return WrittenJsonLines(compress, count, content)
+
+
+def _chain(first: list[bytes], rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield from first
+    yield from rest
+
+
+def _content_stream(data: bytes, compression: str, content_size: int | None, where: str) -> BinaryIO:
+    if compression == "none":
+        return io.BytesIO(data)
+    if compression != "zstd":
+        raise CorruptSnapshotError(f"{where}: unknown compression {compression!r} (expected none or zstd)")
+    if content_size is None:
+        raise CorruptSnapshotError(f"{where}: zstd part without content_size in the manifest")
+    return _BoundedZstd(data, content_size, where)
+
+
+class _BoundedZstd(io.RawIOBase):
+    """Decompresses at most ``limit`` bytes (the manifest's content_size): no zstd bombs."""
+
+    def __init__(self, data: bytes, limit: int, where: str) -> None:
+        self._reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+        self._left = limit
+        self._where = where
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        want = _CHUNK if n is None or n < 0 else n
+        try:
+            out = self._reader.read(min(want, self._left + 1))
+        except zstandard.ZstdError as exc:
+            raise CorruptSnapshotError(f"{self._where}: zstd data is corrupt: {exc}") from None
+        self._left -= len(out)
+        if self._left < 0:
+            raise CorruptSnapshotError(f"{self._where}: decompresses to more than the manifest's content_size")
+        return out
+
+
+def iter_records(
+    data: bytes,
+    record_type: Any,
+    where: str,
+    compression: str = "none",
+    content_size: int | None = None,
+    check_version: bool = True,
+) -> Iterator[Any]:
+    """Decode every line of a JSON-lines part, raising a typed error naming file and line."""
+    stream = _content_stream(data, compression, content_size, where)
+    dec = decoder(record_type)
+    tail = b""
+    line_no = 0
+    total = 0
+    while True:
+        chunk = stream.read(_CHUNK)
+        total += len(chunk)
+        if not chunk:
+            break
+        buf = tail + chunk
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            if len(buf) > MAX_LINE:
+                raise CorruptSnapshotError(f"{where}: line {line_no + 1} is longer than {MAX_LINE} bytes")
+            tail = buf
+            continue
+        complete, tail = buf[: cut + 1], buf[cut + 1 :]
+        recs = _decode_block(dec, complete, where, line_no)
+        for i, rec in enumerate(recs):
+            if check_version:
+                check_record_version(rec.schema_version, f"{where}: line {line_no + i + 1}")
+        line_no += len(recs)
+        yield from recs
+    if compression == "zstd" and content_size is not None and total != content_size:
+        raise CorruptSnapshotError(
+            f"{where}: decompressed {total} bytes, the manifest says content_size {content_size}"
+        )
+    if tail.strip():
+        raise CorruptSnapshotError(f"{where}: line {line_no + 1} is not terminated by a newline (truncated?)")
+
+
+def _decode_block(dec: msgspec.json.Decoder, block: bytes, where: str, first_line: int) -> list[Any]:
+    try:
+        return dec.decode_lines(block)
+    except (msgspec.DecodeError, SnapshotError, ValueError):
+        pass
+    # Find the first bad line to name it (slow path, only on error).
+    for i, line in enumerate(block.split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            dec.decode(line)
+        except msgspec.ValidationError as exc:
+            raise InvalidRecordError(f"{where}: line {first_line + i + 1}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise CorruptSnapshotError(f"{where}: line {first_line + i + 1}: not valid JSON: {exc}") from None
+    raise CorruptSnapshotError(f"{where}: lines {first_line + 1}.. could not be decoded")
+
+
+def decode_json(data: bytes, record_type: Any, where: str) -> Any:
+    """Decode one JSON document (manifest, commit record, loader place) with a typed error."""
+    try:
+        return decoder(record_type).decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidRecordError(f"{where}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise CorruptSnapshotError(f"{where}: not valid JSON: {exc}") from None
+
+
+def encode_json(record: Any) -> bytes:
+    return msgspec.json.format(_encoder.encode(record), indent=1) + b"\n"

@@ -1,0 +1,154 @@
+"""Publishing a draft: one commit point, and what a crash at each step leaves behind.
+
+1. Check every part: its manifest's checksum equals the receipt's, every path lies under the
+   part's prefix, and every listed file exists with its listed size. *Crash: the draft stays
+   unlisted; GC sweeps it by age.*
+2. Write ``snapshots/<id>/manifest.json`` (create-only, durable). *Crash: as 1.*
+3. Commit: create ``_commits/<inverted sequence>.json`` only if absent (the commit point). If it
+   exists, another writer won: raise :class:`CommitConflictError` and delete this draft.
+   *Crash before the create completes: as 1. After: the snapshot is published.*
+4. Replace ``_latest.json`` with the new sequence (advisory; failure is logged, not raised).
+   *Crash: the hint is stale; readers probe forward past it.*
+5. Optionally apply retention (keep the latest k), only now that the new snapshot is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from schemas.errors import CommitConflictError, CorruptSnapshotError, InvalidPathError, StoreError
+from schemas.identity import check_relative_path
+from schemas.manifest import CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
+from schemas.version import FORMAT_VERSION, check_readable
+from snapformat import jsonl, layout
+from snapformat.checksum import checksum_bytes
+from snapformat.draft import PartReceipt, SnapshotDraft
+from snapformat.store import Store
+
+log = logging.getLogger("snapformat.publish")
+
+
+class Published(msgspec.Struct, frozen=True):
+    """What :func:`publish` returns: the manifest and where the snapshot now lives."""
+
+    url: str
+    manifest: Manifest
+    commit: CommitRecord
+
+
+def load_part(store: Store, snapshot_id: str, receipt: PartReceipt) -> PartManifest:
+    """Read a part manifest and check it against its receipt and its own prefix."""
+    rel = f"{check_relative_path(receipt.prefix, where='part prefix')}/{layout.PART_MANIFEST_NAME}"
+    key = layout.file_key(snapshot_id, rel)
+    where = store.display(key)
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{where}: part manifest missing (writer {receipt.writer!r} did not close its part)") from None
+    actual = checksum_bytes(data)
+    if actual != receipt.part_manifest_checksum:
+        raise CorruptSnapshotError(f"{where}: checksum {actual} differs from the receipt's {receipt.part_manifest_checksum}")
+    part = jsonl.decode_json(data, PartManifest, where)
+    check_readable(part.format_version, [], where)
+    if part.snapshot_id != snapshot_id or part.prefix != receipt.prefix:
+        raise CorruptSnapshotError(f"{where}: written for snapshot {part.snapshot_id!r} prefix {part.prefix!r}")
+    for f in part.files:
+        check_relative_path(f.path, where=f"{where}: files[].path")
+        if not f.path.startswith(receipt.prefix + "/"):
+            raise InvalidPathError(f"{where}: file {f.path!r} lies outside the part's prefix {receipt.prefix!r}")
+    return part
+
+
+def _part_manifest_entry(store: Store, snapshot_id: str, part: PartManifest, receipt_checksum: str) -> FileEntry:
+    rel = f"{part.prefix}/{layout.PART_MANIFEST_NAME}"
+    size = store.info(layout.file_key(snapshot_id, rel)).size
+    return FileEntry(path=rel, kind="part_manifest", size=size, checksum=receipt_checksum, records=1, writer=part.writer)
+
+
+def _check_files_present(store: Store, snapshot_id: str, files: list[FileEntry]) -> None:
+    for f in files:
+        key = layout.file_key(snapshot_id, f.path)
+        try:
+            size = store.info(key).size
+        except FileNotFoundError:
+            raise CorruptSnapshotError(f"{store.display(key)}: listed by writer {f.writer!r} but missing") from None
+        if size != f.size:
+            raise CorruptSnapshotError(f"{store.display(key)}: size is {size}, writer {f.writer!r} listed {f.size}")
+
+
+def publish(
+    draft: SnapshotDraft,
+    *,
+    receipts: list[PartReceipt] = (),  # type: ignore[assignment]
+    gym_commit: GymCommit | None = None,
+    topology_fingerprint: str | None = None,
+    timings_s: dict[str, float] | None = None,
+    keep_latest: int | None = None,
+    producer: str = "",
+) -> Published:
+    """Publish ``draft`` atomically (steps in the module docstring) and return where it lives.
+
+    ``receipts`` are parts written by other processes (parts written through
+    :meth:`SnapshotDraft.part` must be closed and added too). Raises
+    :class:`CommitConflictError` if another writer committed the same sequence first.
+    """
+    store = draft.store
+    t0 = time.perf_counter()
+    draft.close_local_parts()
+    for r in receipts:
+        draft.add_part(r)
+    files: list[FileEntry] = []
+    seen: set[str] = set()
+    for part, _ in draft.parts:
+        files.extend(part.files)
+    for f in files:
+        if f.path in seen:
+            raise InvalidPathError(f"{draft.url}: file {f.path!r} listed twice")
+        seen.add(f.path)
+    _check_files_present(store, draft.snapshot_id, files)
+    files.extend(_part_manifest_entry(store, draft.snapshot_id, p, checksum) for p, checksum in draft.parts)
+    timings = dict(timings_s or {})
+    committed_at = time.time()
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        snapshot_id=draft.snapshot_id,
+        sequence=draft.sequence,
+        created_at=draft.created_at,
+        committed_at=committed_at,
+        files=files,
+        gym_commit=gym_commit,
+        topology_fingerprint=topology_fingerprint,
+        parent=draft.parent,
+        timings_s=timings,
+        producer=producer,
+    )
+    data = jsonl.encode_json(manifest)
+    manifest_key = f"{layout.snapshot_dir(draft.snapshot_id)}/{layout.MANIFEST_NAME}"
+    with store.open_write(manifest_key) as fh:
+        fh.write(data)
+    commit = CommitRecord(format_version=FORMAT_VERSION, sequence=draft.sequence, snapshot_id=draft.snapshot_id,
+                          manifest_size=len(data), manifest_checksum=checksum_bytes(data), committed_at=committed_at)
+    try:
+        store.create_exclusive(layout.commit_key(draft.sequence), jsonl.encode_json(commit))
+    except CommitConflictError as exc:
+        try:
+            draft.abandon()
+        except StoreError:
+            log.warning("could not remove the losing draft %s; GC will", draft.url)
+        raise CommitConflictError(
+            f"sequence {draft.sequence} of {store.url} was committed by another writer first; "
+            f"draft {draft.snapshot_id} was not published ({exc})"
+        ) from None
+    try:
+        store.put_bytes(layout.HINT_KEY, msgspec.json.encode(LatestHint(sequence=draft.sequence, snapshot_id=draft.snapshot_id)))
+    except StoreError as exc:  # advisory only: discovery probes past a stale hint
+        log.warning("published %s but could not update %s: %s", draft.url, layout.HINT_KEY, exc)
+    log.info("published %s (sequence %d, %d files) in %.3fs", draft.url, draft.sequence, len(files), time.perf_counter() - t0)
+    if keep_latest is not None:
+        from snapformat.retention import apply_retention
+
+        apply_retention(store, keep_latest)
+    return Published(url=draft.url, manifest=manifest, commit=commit)

@@ -1,0 +1,201 @@
+"""Reading a published snapshot: the manifest checked against its commit, then any part.
+
+Every read checks the file's size; reads check the checksum too unless ``verify=False``
+(memory-mapped row parts are hashed in place, ~9 GB/s). Errors are typed and name the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishedError
+from schemas.identity import check_relative_path
+from schemas.manifest import CommitRecord, FileEntry, Manifest
+from schemas.version import check_readable
+from snapformat import discovery, jsonl, layout
+from snapformat.arrow_parts import open_buffer
+from snapformat.checksum import check, checksum_bytes
+from snapformat.kinds import ALIASES, RECORD_TYPES, storage_of
+from snapformat.store import Store, open_store
+
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_JSON_PART_BYTES = 64 << 20
+
+
+def load_manifest(store: Store, commit: CommitRecord) -> Manifest:
+    """Read ``manifest.json`` of a committed snapshot and check it against the commit record."""
+    key = f"{layout.snapshot_dir(commit.snapshot_id)}/{layout.MANIFEST_NAME}"
+    where = store.display(key)
+    if commit.manifest_size > MAX_MANIFEST_BYTES:
+        raise CorruptSnapshotError(f"{where}: manifest of {commit.manifest_size} bytes exceeds {MAX_MANIFEST_BYTES}")
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{where}: missing, but sequence {commit.sequence} is committed") from None
+    if len(data) != commit.manifest_size:
+        raise CorruptSnapshotError(f"{where}: size is {len(data)} bytes, the commit record says {commit.manifest_size}")
+    check(where, checksum_bytes(data, commit.manifest_checksum.partition(":")[0]), commit.manifest_checksum)
+    manifest = jsonl.decode_json(data, Manifest, where)
+    check_readable(manifest.format_version, manifest.required_features, where)
+    if manifest.snapshot_id != commit.snapshot_id or manifest.sequence != commit.sequence:
+        raise CorruptSnapshotError(
+            f"{where}: is snapshot {manifest.snapshot_id!r} sequence {manifest.sequence}, the commit names "
+            f"{commit.snapshot_id!r} sequence {commit.sequence}")
+    seen: set[str] = set()
+    for i, f in enumerate(manifest.files):
+        check_relative_path(f.path, where=f"{where}: files[{i}].path")
+        if f.path in seen:
+            raise CorruptSnapshotError(f"{where}: files[{i}].path {f.path!r} is listed twice")
+        seen.add(f.path)
+    return manifest
+
+
+def resolve_kind(part: str) -> str:
+    """A kind from a user's word (``ledger``, ``tokens``...) or raise naming the choices."""
+    kind = ALIASES.get(part)
+    if kind is None:
+        raise InvalidRecordError(f"unknown part {part!r} (expected a file path or one of {', '.join(sorted(ALIASES))})")
+    return kind
+
+
+class Snapshot:
+    """A published snapshot. Open one with :func:`open_snapshot` or ``SnapshotStore.open``."""
+
+    def __init__(self, store: Store, commit: CommitRecord, manifest: Manifest) -> None:
+        self.store = store
+        self.commit = commit
+        self.manifest = manifest
+
+    @property
+    def url(self) -> str:
+        return self.store.display(layout.snapshot_dir(self.manifest.snapshot_id))
+
+    @property
+    def sequence(self) -> int:
+        return self.manifest.sequence
+
+    def files(self, kind: str | None = None) -> list[FileEntry]:
+        return [f for f in self.manifest.files if kind is None or f.kind == kind]
+
+    def select(self, part: str) -> list[FileEntry]:
+        """Files named by ``part``: a file path in the manifest, or a kind / alias (all of its files)."""
+        for f in self.manifest.files:
+            if f.path == part:
+                return [f]
+        return self.files(resolve_kind(part))
+
+    def key(self, entry: FileEntry) -> str:
+        return layout.file_key(self.manifest.snapshot_id, entry.path)
+
+    def where(self, entry: FileEntry) -> str:
+        return self.store.display(self.key(entry))
+
+    def read_bytes(self, entry: FileEntry, verify: bool = True) -> bytes:
+        """The stored bytes of one file, size (and checksum) checked."""
+        where = self.where(entry)
+        try:
+            info = self.store.info(self.key(entry))
+        except FileNotFoundError:
+            raise CorruptSnapshotError(f"{where}: missing") from None
+        if info.size != entry.size:
+            raise CorruptSnapshotError(f"{where}: size is {info.size} bytes, the manifest says {entry.size}")
+        data = self.store.read_bytes(self.key(entry))
+        if len(data) != entry.size:
+            raise CorruptSnapshotError(f"{where}: read {len(data)} bytes, the manifest says {entry.size}")
+        if verify:
+            check(where, checksum_bytes(data, entry.checksum.partition(":")[0]), entry.checksum)
+        return data
+
+    def open_rows(self, entry: FileEntry, verify: bool = True) -> pa.ipc.RecordBatchFileReader:
+        """An Arrow file reader over a row part; memory-mapped when the store is on local disk."""
+        if storage_of(entry.kind) != "rows":
+            raise InvalidRecordError(f"{self.where(entry)}: kind {entry.kind!r} is not a row part")
+        where = self.where(entry)
+        path = self.store.local_path(self.key(entry))
+        if path is not None:
+            try:
+                buf = pa.memory_map(path, "r")
+            except FileNotFoundError:
+                raise CorruptSnapshotError(f"{where}: missing") from None
+            except OSError as exc:
+                raise CorruptSnapshotError(f"{where}: cannot map: {exc}") from None
+            buffer = buf.read_buffer()
+        else:
+            buffer = pa.py_buffer(self.read_bytes(entry, verify=False))
+        return open_buffer(buffer, entry.kind, where, entry.size, entry.checksum if verify else None,
+                           batches=entry.batches)
+
+    def read_table(self, part: str, verify: bool = True) -> pa.Table:
+        """Every row of a row kind (all files, in manifest order) as one zero-copy table."""
+        tables = []
+        for entry in self.select(part):
+            reader = self.open_rows(entry, verify)
+            tables.append(reader.read_all())
+        if not tables:
+            raise NotPublishedError(f"{self.url}: has no {part!r} part")
+        return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+
+    def iter_records(self, part: str | FileEntry, verify: bool = True) -> Iterator[Any]:
+        """Decoded records of a JSON-lines or JSON part (every file of a kind, in manifest order)."""
+        entries = [part] if isinstance(part, FileEntry) else self.select(part)
+        for entry in entries:
+            kind = storage_of(entry.kind)
+            where = self.where(entry)
+            if kind == "jsonl":
+                data = self.read_bytes(entry, verify)
+                yield from jsonl.iter_records(data, RECORD_TYPES[entry.kind], where, entry.compression, entry.content_size)
+            elif kind == "json":
+                if entry.size > MAX_JSON_PART_BYTES:
+                    raise CorruptSnapshotError(f"{where}: {entry.size} bytes exceeds {MAX_JSON_PART_BYTES}")
+                rec = jsonl.decode_json(self.read_bytes(entry, verify), RECORD_TYPES[entry.kind], where)
+                if hasattr(rec, "schema_version"):
+                    from schemas.version import check_record_version
+
+                    check_record_version(rec.schema_version, where)
+                yield rec
+            else:
+                raise InvalidRecordError(f"{where}: kind {entry.kind!r} holds no records")
+
+    def records(self, part: str) -> list[Any]:
+        return list(self.iter_records(part))
+
+    def token_rows(self, capture_key: str, model_call_id: str, verify: bool = True) -> pa.Table:
+        """The token-capture rows of one model call, found through the token-storage index."""
+        for entry in self.iter_records("token_index", verify):
+            if entry.capture_key == capture_key and entry.model_call_id == model_call_id:
+                target = self.select(entry.file)
+                if not target or target[0].kind != "token_capture_rows":
+                    raise CorruptSnapshotError(f"{self.url}: token index names {entry.file!r}, not a token-capture part")
+                batch = self.open_rows(target[0], verify).get_batch(entry.batch)
+                return pa.Table.from_batches([batch.slice(entry.row_start, entry.row_count)])
+        raise NotPublishedError(f"{self.url}: no token rows indexed for {capture_key!r} call {model_call_id!r}")
+
+
+def open_snapshot(url: str) -> Snapshot:
+    """Open a published snapshot by its location (``<store>/snapshots/<snapshot_id>``)."""
+    store_url, snapshot_id = layout.split_snapshot_url(url)
+    store = open_store(store_url)
+    m = layout.SNAPSHOT_ID_RE.match(snapshot_id)
+    sequence = int(m.group(1)) if m else None
+    commit = None
+    if sequence is not None and sequence >= 1:
+        try:
+            commit = discovery.read_commit(store, sequence)
+        except NotPublishedError:
+            commit = None
+    if commit is None or commit.snapshot_id != snapshot_id:
+        raise NotPublishedError(f"{url}: not published (no commit record names this snapshot)")
+    return Snapshot(store, commit, load_manifest(store, commit))
+
+
+def open_sequence(store: Store, sequence: int | None = None) -> Snapshot:
+    """Open the snapshot committed at ``sequence``, or the newest when ``None``."""
+    if sequence is None:
+        sequence = discovery.latest_sequence(store)
+        if sequence is None:
+            raise NotPublishedError(f"{store.url}: no published snapshot")
+    commit = discovery.read_commit(store, sequence)
+    return Snapshot(store, commit, load_manifest(store, commit))

@@ -1,0 +1,88 @@
+"""The storage interface every backend implements, and nothing more.
+
+Keys are ``/``-separated paths relative to the store's root. The snapshot protocol (``layout``,
+``publish``, ``discovery``...) is written once against this interface; a backend only has to
+provide durable writes and one atomic primitive, :meth:`Store.create_exclusive`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import msgspec
+
+
+class ObjectInfo(msgspec.Struct, frozen=True):
+    key: str
+    size: int
+    mtime: float
+
+
+class Store(abc.ABC):
+    """A place that holds snapshots: a local folder or an object-store prefix."""
+
+    #: The store's root as the user wrote it (a path or a URL); used in messages and listings.
+    url: str
+
+    def display(self, key: str) -> str:
+        """The user-facing path or URL of ``key``."""
+        return self.url.rstrip("/") + "/" + key if key else self.url
+
+    @abc.abstractmethod
+    def read_bytes(self, key: str) -> bytes:
+        """The whole object. Raises ``FileNotFoundError`` when it does not exist."""
+
+    @abc.abstractmethod
+    def open_read(self, key: str) -> BinaryIO:
+        """A seekable binary reader. Raises ``FileNotFoundError`` when it does not exist."""
+
+    def local_path(self, key: str) -> str | None:
+        """A filesystem path for ``key`` when the backend has one (for memory mapping)."""
+        return None
+
+    @abc.abstractmethod
+    def open_write(self, key: str) -> BinaryIO:
+        """A writer for a new object; it is durable once ``close()`` returns without error.
+
+        The object MUST NOT exist yet (each file of a snapshot has exactly one writer); an
+        existing one raises ``FileExistsError``. A writer abandoned by a crash may leave a partial
+        object behind, which is harmless because no reader looks at an uncommitted snapshot.
+        """
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write (or replace) a small object durably and atomically (old or new, never a mix)."""
+
+    @abc.abstractmethod
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """The commit primitive: create ``key`` with ``data`` only if it does not exist.
+
+        Atomic against every other writer of the same key: exactly one caller succeeds; the others
+        raise :class:`~schemas.errors.CommitConflictError`. Any other failure raises
+        :class:`~schemas.errors.StoreError` (never a conflict). Durable when it returns.
+        """
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def info(self, key: str) -> ObjectInfo:
+        """Size and modification time. Raises ``FileNotFoundError`` when it does not exist."""
+
+    @abc.abstractmethod
+    def list_names(self, prefix: str) -> list[str]:
+        """Names directly under the folder ``prefix`` (files and sub-folders), sorted."""
+
+    @abc.abstractmethod
+    def walk(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under the folder ``prefix``, recursively."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one object durably; a missing object is not an error."""
+
+    @abc.abstractmethod
+    def delete_tree(self, prefix: str) -> None:
+        """Delete every object under the folder ``prefix``; a missing folder is not an error."""

@@ -1,0 +1,127 @@
+"""``verify``: check every byte of a snapshot and every cross-reference, and report each problem.
+
+Per file: present, size, checksum over all bytes, then parsed by kind (row schema, row rules,
+batch and row counts; every JSON line decoded; line counts). Across files: every token-index
+entry names a token-capture part of this snapshot, a batch and a row range inside it, and those
+rows belong to that model call. Problems are collected, not raised, so one run names them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import pyarrow as pa
+
+from schemas.errors import CorruptSnapshotError, SnapshotError
+from schemas.manifest import FileEntry
+from schemas.rows import validate_batch
+from snapformat.checksum import check, checksum_stream
+from snapformat.kinds import RECORD_TYPES, storage_of
+from snapformat.reader import Snapshot
+
+
+class Problem(msgspec.Struct, frozen=True):
+    file: str
+    message: str
+
+
+class VerifyReport(msgspec.Struct, frozen=True):
+    snapshot: str
+    sequence: int
+    files_checked: int
+    bytes_checked: int
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_bytes(snap: Snapshot, entry: FileEntry, progress: Callable[[int], None] | None) -> None:
+    where = snap.where(entry)
+    try:
+        info = snap.store.info(snap.key(entry))
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{where}: missing") from None
+    if info.size != entry.size:
+        raise CorruptSnapshotError(f"{where}: size is {info.size} bytes, the manifest says {entry.size}")
+    with snap.store.open_read(snap.key(entry)) as fh:
+        actual = checksum_stream(fh, entry.checksum, progress)
+    check(where, actual, entry.checksum)
+
+
+def _check_rows(snap: Snapshot, entry: FileEntry, rows_of_calls: dict[str, pa.ipc.RecordBatchFileReader]) -> None:
+    where = snap.where(entry)
+    reader = snap.open_rows(entry, verify=False)  # bytes were just checked
+    total = 0
+    for i in range(reader.num_record_batches):
+        try:
+            batch = reader.get_batch(i)
+            batch.validate(full=True)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptSnapshotError(f"{where}: record batch {i} is invalid: {exc}") from None
+        validate_batch(entry.kind, batch, f"{where}: batch {i}")
+        total += batch.num_rows
+    if total != entry.records:
+        raise CorruptSnapshotError(f"{where}: has {total} rows, the manifest says {entry.records}")
+    if entry.kind == "token_capture_rows":
+        rows_of_calls[entry.path] = reader
+
+
+def _check_records(snap: Snapshot, entry: FileEntry, token_index: list) -> None:
+    where = snap.where(entry)
+    n = 0
+    for rec in snap.iter_records(entry, verify=False):
+        n += 1
+        if entry.kind == "token_index":
+            token_index.append((entry, n, rec))
+    if n != entry.records:
+        raise CorruptSnapshotError(f"{where}: has {n} records, the manifest says {entry.records}")
+
+
+def _check_token_index(snap: Snapshot, token_index: list, readers: dict, problems: list[Problem]) -> None:
+    kinds = {f.path: f.kind for f in snap.manifest.files}
+    for entry, line, rec in token_index:
+        where = f"{snap.where(entry)}: line {line}"
+        reader = readers.get(rec.file)
+        if reader is None:
+            what = "is not in the manifest" if rec.file not in kinds else f"is a {kinds[rec.file]} part, not a valid token-capture part"
+            problems.append(Problem(entry.path, f"{where}: file {rec.file!r} {what}"))
+            continue
+        if rec.batch >= reader.num_record_batches:
+            problems.append(Problem(entry.path, f"{where}: batch {rec.batch} does not exist in {rec.file} ({reader.num_record_batches} batches)"))
+            continue
+        batch = reader.get_batch(rec.batch)
+        if rec.row_start + rec.row_count > batch.num_rows:
+            problems.append(Problem(entry.path, f"{where}: rows {rec.row_start}..{rec.row_start + rec.row_count - 1} exceed batch {rec.batch} of {rec.file} ({batch.num_rows} rows)"))
+            continue
+        rows = batch.slice(rec.row_start, rec.row_count)
+        calls = set(rows.column("model_call_id").to_pylist())
+        keys = set(rows.column("capture_key").to_pylist())
+        if calls != {rec.model_call_id} or keys != {rec.capture_key}:
+            problems.append(Problem(entry.path, f"{where}: rows hold calls {sorted(calls)} of {sorted(keys)}, the index says {rec.model_call_id!r} of {rec.capture_key!r}"))
+
+
+def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check every file of ``snap``; ``progress(n)`` is called with each n bytes hashed."""
+    problems: list[Problem] = []
+    readers: dict[str, pa.ipc.RecordBatchFileReader] = {}
+    token_index: list = []
+    checked_bytes = 0
+    for entry in snap.manifest.files:
+        try:
+            _check_bytes(snap, entry, progress)
+            checked_bytes += entry.size
+            storage = storage_of(entry.kind)
+            if storage == "rows":
+                _check_rows(snap, entry, readers)
+            elif storage in ("jsonl", "json") and entry.kind in RECORD_TYPES:
+                _check_records(snap, entry, token_index)
+        except SnapshotError as exc:
+            problems.append(Problem(entry.path, str(exc)))
+    _check_token_index(snap, token_index, readers, problems)
+    return VerifyReport(snap.url, snap.sequence, len(snap.manifest.files), checked_bytes, problems)
+
+
+__all__ = ["Problem", "VerifyReport", "verify_snapshot"]
