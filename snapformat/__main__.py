@@ -1,0 +1,5 @@
+"""``python -m snapformat``: the same command as ``snapformat``."""
+
+from snapformat.cli import main
+
+raise SystemExit(main())

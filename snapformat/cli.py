@@ -1,0 +1,327 @@
+"""The ``snapformat`` command: inspect, verify, dump and prune snapshots offline.
+
+Exit codes: 0 success; 1 a snapshot or store is missing, unreadable or fails verification (the
+message names the file and what is wrong); 2 bad usage. Every subcommand takes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.errors import InvalidPathError, InvalidRecordError, NotPublishedError, SnapshotError
+from snapformat import layout
+from snapformat.kinds import ALIASES, storage_of
+from snapformat.progress import Progress
+from snapformat.reader import Snapshot, load_manifest, open_snapshot
+from snapformat.retention import DEFAULT_DRAFT_MIN_AGE_S
+from snapformat.snapshot_store import SnapshotStore
+from snapformat.verify import verify_snapshot
+
+
+class UsageError(Exception):
+    """Bad arguments (exit 2)."""
+
+
+def _time(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _emit_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(msgspec.to_builtins(value), indent=1) + "\n")
+
+
+def _open(target: str) -> Snapshot:
+    """A snapshot by its location, or the newest snapshot of a store."""
+    try:
+        return open_snapshot(target)
+    except InvalidPathError:
+        pass
+    store = SnapshotStore(target)
+    store.check_marker()
+    snap = store.latest()
+    if snap is None:
+        raise NotPublishedError(f"{target}: the store has no published snapshot")
+    return snap
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = SnapshotStore(args.store)
+    store.check_marker()
+    rows = []
+    for commit in store.list():
+        manifest = load_manifest(store.store, commit)
+        rows.append({
+            "sequence": commit.sequence,
+            "snapshot_id": commit.snapshot_id,
+            "url": store.store.display(layout.snapshot_dir(commit.snapshot_id)),
+            "committed_at": _time(commit.committed_at),
+            "files": len(manifest.files),
+            "bytes": sum(f.size for f in manifest.files),
+            "topology_fingerprint": manifest.topology_fingerprint,
+        })
+    if args.json:
+        _emit_json(rows)
+        return 0
+    if not rows:
+        print(f"{args.store}: no published snapshots")
+    for r in rows:
+        print(f"{r['sequence']:>6}  {r['committed_at']}  {r['files']:>4} files  {r['bytes'] / 2**20:>10.1f} MiB  {r['url']}")
+    return 0
+
+
+def _summary(snap: Snapshot) -> dict[str, Any]:
+    m = snap.manifest
+    by_kind: dict[str, dict[str, int]] = {}
+    for f in m.files:
+        k = by_kind.setdefault(f.kind, {"files": 0, "records": 0, "bytes": 0})
+        k["files"] += 1
+        k["records"] += f.records
+        k["bytes"] += f.size
+    return {
+        "url": snap.url,
+        "format_version": m.format_version,
+        "required_features": m.required_features,
+        "snapshot_id": m.snapshot_id,
+        "sequence": m.sequence,
+        "created_at": _time(m.created_at),
+        "committed_at": _time(m.committed_at),
+        "parent": msgspec.to_builtins(m.parent),
+        "topology_fingerprint": m.topology_fingerprint,
+        "gym_commit": msgspec.to_builtins(m.gym_commit),
+        "timings_s": m.timings_s,
+        "producer": m.producer,
+        "kinds": by_kind,
+        "files": msgspec.to_builtins(m.files),
+    }
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    snap = _open(args.snapshot)
+    s = _summary(snap)
+    if args.json:
+        _emit_json(s)
+        return 0
+    print(f"snapshot     {s['snapshot_id']} (sequence {s['sequence']}, format {s['format_version']})")
+    print(f"location     {s['url']}")
+    print(f"created      {s['created_at']}   committed {s['committed_at']}")
+    parent = s["parent"]
+    print(f"parent       {parent['snapshot_id'] + ' (sequence ' + str(parent['sequence']) + ')' if parent else '-'}")
+    print(f"topology     {s['topology_fingerprint'] or '-'}")
+    gym = snap.manifest.gym_commit
+    if gym:
+        print(f"gym commit   {gym.checkpoint_id}: " + ", ".join(f"{p.component}/{p.name}" for p in gym.participants))
+    if s["timings_s"]:
+        print("timings      " + ", ".join(f"{k} {v:.3f}s" for k, v in s["timings_s"].items()))
+    print("parts:")
+    for kind, k in sorted(s["kinds"].items()):
+        print(f"  {kind:<20} {k['files']:>3} files {k['records']:>10} records {k['bytes'] / 2**20:>10.2f} MiB")
+    print("files:")
+    for f in snap.manifest.files:
+        comp = f" {f.compression}" if f.compression != "none" else ""
+        print(f"  {f.path:<52} {f.kind:<19} {f.records:>9} rec {f.size:>12} B{comp}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    snap = _open(args.snapshot)
+    progress = Progress(sum(f.size for f in snap.manifest.files), f"verify {snap.manifest.snapshot_id}", enabled=not args.json)
+    try:
+        report = verify_snapshot(snap, progress.update)
+    finally:
+        progress.close()
+    if args.json:
+        _emit_json({"ok": report.ok, **msgspec.to_builtins(report)})
+    elif report.ok:
+        print(f"OK {report.snapshot}: {report.files_checked} files, {report.bytes_checked} bytes verified")
+    else:
+        for p in report.problems:
+            print(f"FAIL {p.message}", file=sys.stderr)
+        print(f"FAILED {report.snapshot}: {len(report.problems)} problem(s)", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _jsonable(value: Any) -> Any:
+    return msgspec.to_builtins(value)
+
+
+def _rows_iter(snap: Snapshot, part: str) -> Iterator[pa.RecordBatch]:
+    for entry in snap.select(part):
+        reader = snap.open_rows(entry)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+
+def _is_rows(snap: Snapshot, part: str) -> bool:
+    entries = snap.select(part)
+    if not entries:
+        raise NotPublishedError(f"{snap.url}: has no {part!r} part")
+    kinds = {storage_of(e.kind) for e in entries}
+    if "unknown" in kinds:
+        raise UsageError(f"{part!r}: kind {entries[0].kind!r} is not known to this version of snapformat")
+    return kinds == {"rows"}
+
+
+def _resolve_part(snap: Snapshot, part: str) -> None:
+    try:
+        snap.select(part)
+    except InvalidRecordError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    snap = _open(args.snapshot)
+    _resolve_part(snap, args.part)
+    out = sys.stdout
+    limit = args.limit
+    n = 0
+    if _is_rows(snap, args.part):
+        writer = None
+        for batch in _rows_iter(snap, args.part):
+            for row in batch.to_pylist():
+                if limit is not None and n >= limit:
+                    return 0
+                if args.format == "csv":
+                    if writer is None:
+                        writer = csv.writer(out)
+                        writer.writerow(batch.schema.names)
+                    writer.writerow(json.dumps(v) if isinstance(v, (list, dict)) else v for v in row.values())
+                else:
+                    out.write(json.dumps(row) + "\n")
+                n += 1
+        return 0
+    if args.format == "csv":
+        raise UsageError("--format csv is for row parts (training, tokens); record parts print as JSON lines")
+    for rec in snap.iter_records(args.part):
+        if limit is not None and n >= limit:
+            break
+        out.write(msgspec.json.encode(rec).decode() + "\n")
+        n += 1
+    return 0
+
+
+def _records_table(records: list[Any]) -> pa.Table:
+    """Records as a table; nested values (state, payloads, maps) become JSON text columns."""
+    rows = []
+    for rec in records:
+        row = {}
+        for k, v in msgspec.to_builtins(rec).items():
+            row[k] = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) and k not in ("rollout_ids", "restart_only") else v
+        rows.append(row)
+    return pa.Table.from_pylist(rows)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    snap = _open(args.snapshot)
+    _resolve_part(snap, args.part)
+    if not args.out.endswith(".parquet"):
+        raise UsageError(f"{args.out}: the output must be a .parquet file")
+    entries = snap.select(args.part)
+    rows = 0
+    if _is_rows(snap, args.part):
+        progress = Progress(sum(e.size for e in entries), f"export {args.part}", enabled=not args.json)
+        writer = None
+        try:
+            for entry in entries:
+                reader = snap.open_rows(entry)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    if writer is None:
+                        writer = pq.ParquetWriter(args.out, batch.schema, compression="zstd")
+                    writer.write_batch(batch)
+                    rows += batch.num_rows
+                    progress.update(batch.nbytes)
+        finally:
+            if writer is not None:
+                writer.close()
+            progress.close()
+    else:
+        table = _records_table(list(snap.iter_records(args.part)))
+        pq.write_table(table, args.out, compression="zstd")
+        rows = table.num_rows
+    result = {"snapshot": snap.url, "part": args.part, "out": args.out, "rows": rows}
+    if args.json:
+        _emit_json(result)
+    else:
+        print(f"wrote {rows} rows of {args.part} to {args.out}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = SnapshotStore(args.store)
+    store.check_marker()
+    report = store.gc(keep_latest=args.keep, min_age_s=args.min_age)
+    if args.json:
+        _emit_json(report)
+        return 0
+    print(f"deleted {len(report.deleted_snapshots)} snapshot(s), swept {len(report.swept_drafts)} draft(s) "
+          f"and {len(report.swept_temp_files)} temporary file(s); kept sequences {report.kept}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snapformat", description="Inspect, verify and prune rollout snapshots.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        return sp
+
+    sp = add("ls", "list published snapshots, newest first")
+    sp.add_argument("store", help="a store: local path or URL")
+    sp.set_defaults(func=cmd_ls)
+    sp = add("show", "show a snapshot's manifest")
+    sp.add_argument("snapshot", help="a snapshot location as ls prints it, or a store (its newest snapshot)")
+    sp.set_defaults(func=cmd_show)
+    sp = add("verify", "check every byte and cross-reference of a snapshot")
+    sp.add_argument("snapshot")
+    sp.set_defaults(func=cmd_verify)
+    parts = ", ".join(sorted(ALIASES))
+    sp = add("cat", "print a part as JSON lines (rows also as CSV)")
+    sp.add_argument("snapshot")
+    sp.add_argument("part", help=f"a file path from show, or one of: {parts}")
+    sp.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    sp.add_argument("--limit", type=int, default=None, help="print at most this many records")
+    sp.set_defaults(func=cmd_cat)
+    sp = add("export", "write a part as Parquet (for DuckDB, Polars...)")
+    sp.add_argument("snapshot")
+    sp.add_argument("part")
+    sp.add_argument("out", help="OUT.parquet")
+    sp.set_defaults(func=cmd_export)
+    sp = add("gc", "apply retention and sweep drafts left by crashed writers")
+    sp.add_argument("store")
+    sp.add_argument("--keep", type=int, default=None, help="keep only the newest K published snapshots")
+    sp.add_argument("--min-age", type=float, default=DEFAULT_DRAFT_MIN_AGE_S,
+                    help="sweep unpublished drafts idle for at least this many seconds (default 6 h)")
+    sp.set_defaults(func=cmd_gc)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"snapformat {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        sys.stderr.close()  # the reader (e.g. `head`) went away: not an error
+        return 0
+    except SnapshotError as exc:
+        print(f"snapformat {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

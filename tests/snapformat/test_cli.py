@@ -1,0 +1,179 @@
+"""The ``snapformat`` command: every subcommand, its ``--json`` output and its exit codes.
+
+Most cases call ``main()`` in-process (fast); a few run the installed command as a real process
+to prove the entry point, ``python -m snapformat`` and the exit codes seen by a shell.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from snapformat import SnapshotStore
+from snapformat.cli import main
+from snapformat.example import TOPOLOGY, write_example
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli") / "store"
+    s = SnapshotStore(str(root))
+    for seed in (1, 2):
+        draft = s.begin()
+        gym, receipts = write_example(draft, count=40, seed=seed)
+        draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=TOPOLOGY)
+    return root
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def latest_url(store: Path) -> str:
+    snap = SnapshotStore(str(store)).latest()
+    assert snap is not None
+    return snap.url
+
+
+def test_ls_lists_newest_first_with_json(store: Path, capsys) -> None:
+    code, out, _ = run(capsys, "ls", str(store), "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["sequence"] for r in rows] == [2, 1]
+    assert rows[0]["url"] == latest_url(store)
+    assert all(r["topology_fingerprint"] == TOPOLOGY and r["bytes"] > 0 for r in rows)
+    code, out, _ = run(capsys, "ls", str(store))
+    assert code == 0 and latest_url(store) in out.splitlines()[0]
+
+
+def test_show_by_url_and_by_store(store: Path, capsys) -> None:
+    code, out, _ = run(capsys, "show", latest_url(store), "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["sequence"] == 2 and shown["parent"]["sequence"] == 1
+    assert shown["kinds"]["continuations"]["records"] > 0
+    assert {p["name"] for p in shown["gym_commit"]["participants"]} == {"agent0", "policy0", "tools"}
+    code, out2, _ = run(capsys, "show", str(store), "--json")
+    assert code == 0 and json.loads(out2)["snapshot_id"] == shown["snapshot_id"]
+    code, text, _ = run(capsys, "show", latest_url(store))
+    assert code == 0 and "token_capture_rows" in text and "sequence 2" in text
+
+
+def test_verify_ok_then_fails_naming_the_corrupt_file(tmp_path: Path, capsys) -> None:
+    s = SnapshotStore(str(tmp_path / "store"))
+    draft = s.begin()
+    gym, receipts = write_example(draft, count=30, seed=3)
+    published = draft.publish(receipts=receipts, gym_commit=gym)
+    code, out, _ = run(capsys, "verify", published.url, "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+    victim = next(f for f in published.manifest.files if f.kind == "model_ledger")
+    path = Path(published.url) / victim.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out, err = run(capsys, "verify", published.url)
+    assert code == 1
+    assert victim.path in err and "checksum" in err
+    code, out, _ = run(capsys, "verify", published.url, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False
+    assert [p["file"] for p in report["problems"]] == [victim.path]
+
+
+def test_cat_records_rows_and_csv(store: Path, capsys) -> None:
+    url = latest_url(store)
+    code, out, _ = run(capsys, "cat", url, "continuations")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and lines
+    assert set(lines[0]) == {"schema_version", "rollout_id", "attempt_index", "capture_key",
+                             "last_committed_model_call_id", "resource_state_revisions"}
+    code, out, _ = run(capsys, "cat", url, "tokens", "--limit", "3")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and len(rows) == 3
+    assert len(rows[0]["generation_token_ids"]) == len(rows[0]["generation_log_probs"])
+    code, out, _ = run(capsys, "cat", url, "training", "--format", "csv", "--limit", "2")
+    table = list(csv.reader(io.StringIO(out)))
+    assert code == 0 and table[0][:3] == ["key", "partition_id", "rollout_id"] and len(table) == 3
+    assert json.loads(table[1][table[0].index("input_ids")])  # list columns are JSON text
+    code, out, _ = run(capsys, "cat", url, "controller/loader.json")
+    assert code == 0 and json.loads(out)["consumed"] > 0
+
+
+def test_export_parquet_queryable_by_duckdb(store: Path, tmp_path: Path, capsys) -> None:
+    url = latest_url(store)
+    out_file = tmp_path / "training.parquet"
+    code, out, _ = run(capsys, "export", url, "training", str(out_file), "--json")
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    expected = SnapshotStore(str(store)).latest().read_table("training").num_rows
+    assert rows == expected
+    con = duckdb.connect()
+    got = con.execute(f"select count(*), min(len(input_ids)) from read_parquet('{out_file}')").fetchone()
+    assert got[0] == expected and got[1] > 0
+    ledger = tmp_path / "ledger.parquet"
+    code, _, _ = run(capsys, "export", url, "ledger", str(ledger))
+    assert code == 0
+    assert con.execute(f"select count(distinct capture_key) from read_parquet('{ledger}')").fetchone()[0] > 0
+
+
+def test_gc_json_reports_swept_drafts(tmp_path: Path, capsys) -> None:
+    s = SnapshotStore(str(tmp_path / "store"))
+    for seed in (1, 2, 3):
+        d = s.begin()
+        gym, receipts = write_example(d, count=10, seed=seed)
+        d.publish(receipts=receipts, gym_commit=gym)
+    orphan = s.begin()
+    write_example(orphan, count=5, seed=9)
+    code, out, _ = run(capsys, "gc", str(tmp_path / "store"), "--keep", "2", "--min-age", "0", "--json")
+    report = json.loads(out)
+    assert code == 0
+    assert report["kept"] == [3, 2]
+    assert len(report["deleted_snapshots"]) == 1 and report["swept_drafts"] == [orphan.snapshot_id]
+    assert not Path(orphan.url).exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["show", "{missing}"],
+    ["verify", "{store}/snapshots/snap-0000000009-00000000"],
+    ["ls", "{missing}"],
+])
+def test_missing_store_or_snapshot_exits_1(store: Path, tmp_path: Path, capsys, args: list[str]) -> None:
+    args = [a.format(missing=tmp_path / "nowhere", store=store) for a in args]
+    code, _, err = run(capsys, *args)
+    assert code == 1 and ("not" in err)
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["frobnicate"],
+    ["cat", "{url}", "no-such-part"],
+    ["export", "{url}", "training", "out.csv"],
+    ["cat", "{url}", "ledger", "--format", "csv"],
+    ["cat", "{url}"],
+])
+def test_bad_usage_exits_2(store: Path, capsys, args: list[str]) -> None:
+    args = [a.format(url=latest_url(store)) for a in args]
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(args))
+    assert exc.value.code == 2
+
+
+def test_real_process_entry_points_and_exit_codes(store: Path, tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("snapformat")
+    for cmd in ([str(exe)], [sys.executable, "-m", "snapformat"]):
+        ok = subprocess.run(cmd + ["verify", latest_url(store), "--json"], capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["ok"] is True
+        missing = subprocess.run(cmd + ["show", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+        assert missing.returncode == 1 and "snapformat-store.json" in missing.stderr
+        usage = subprocess.run(cmd + ["ls"], capture_output=True, text=True, timeout=120)
+        assert usage.returncode == 2
