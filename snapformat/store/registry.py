@@ -10,7 +10,15 @@ from snapformat.store.base import Store
 from snapformat.store.local import LocalStore
 
 _BACKENDS: dict[str, Callable[[str], Store]] = {}
-_INSTALL_HINTS = {"s3": "object-store support arrives with the s3 backend (pip install s3fs)"}
+
+
+def _open_s3(url: str) -> Store:
+    from snapformat.store.s3 import S3Store  # imported on first use: s3fs is heavy
+
+    return S3Store(url)
+
+
+_BACKENDS["s3"] = _open_s3
 
 
 def register(scheme: str, factory: Callable[[str], Store]) -> None:
@@ -29,8 +37,5 @@ def open_store(url: str) -> Store:
         return LocalStore(urlparse(url).path)
     if scheme in _BACKENDS:
         return _BACKENDS[scheme](url)
-    hint = _INSTALL_HINTS.get(scheme)
-    raise StoreError(
-        f"{url}: no backend for '{scheme}://' URLs"
-        + (f" ({hint})" if hint else f"; known: local paths, file://{''.join(', ' + s + '://' for s in _BACKENDS)}")
-    )
+    known = ", ".join(["local paths", "file://"] + [f"{s}://" for s in sorted(_BACKENDS)])
+    raise StoreError(f"{url}: no backend for '{scheme}://' URLs (known: {known})")

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: real S3-compatible servers on loopback."""
