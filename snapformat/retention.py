@@ -63,8 +63,10 @@ def sweep_drafts(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S, now: 
         if name in committed or (m and int(m.group(1)) in unreadable):
             continue
         prefix = f"{layout.SNAPSHOTS}/{name}"
-        newest = max((o.mtime for o in store.walk(prefix)), default=0.0)
-        if now - newest >= min_age_s:
+        mtimes = [o.mtime for o in store.walk(prefix)]
+        if not mtimes:
+            continue  # an emptied folder some object stores keep listing: nothing to sweep
+        if now - max(mtimes) >= min_age_s:
             store.delete_tree(prefix)
             swept.append(name)
     temps = []

@@ -46,9 +46,10 @@ class Store(abc.ABC):
     def open_write(self, key: str) -> BinaryIO:
         """A writer for a new object; it is durable once ``close()`` returns without error.
 
-        The object MUST NOT exist yet (each file of a snapshot has exactly one writer); an
-        existing one raises ``FileExistsError``. A writer abandoned by a crash may leave a partial
-        object behind, which is harmless because no reader looks at an uncommitted snapshot.
+        Each file of a snapshot has exactly one writer, so the object does not exist yet; a
+        backend that can check it cheaply (local disk) raises ``FileExistsError``. A writer
+        abandoned by a crash may leave a partial object (or an incomplete multipart upload)
+        behind, which is harmless because no reader looks at an uncommitted snapshot.
         """
 
     @abc.abstractmethod
@@ -73,7 +74,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def list_names(self, prefix: str) -> list[str]:
-        """Names directly under the folder ``prefix`` (files and sub-folders), sorted."""
+        """Names directly under the folder ``prefix`` (files and sub-folders), sorted. A folder
+        whose objects were all deleted may still be listed on some stores (SeaweedFS)."""
 
     @abc.abstractmethod
     def walk(self, prefix: str) -> Iterator[ObjectInfo]:
