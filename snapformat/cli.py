@@ -268,6 +268,30 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_copy(args: argparse.Namespace) -> int:
+    from snapformat.copy import copy_snapshot, copy_store, destination_store
+
+    try:
+        single = open_snapshot(args.src)
+    except InvalidPathError:
+        single = None
+    if single is not None:
+        dst = destination_store(args.dst, single.manifest.snapshot_id)
+        progress = Progress(sum(f.size for f in single.manifest.files), f"copy {single.manifest.snapshot_id}", enabled=not args.json)
+        try:
+            results = [copy_snapshot(single, dst, progress.update)]
+        finally:
+            progress.close()
+    else:
+        results = copy_store(args.src, destination_store(args.dst, None))
+    if args.json:
+        _emit_json(results)
+        return 0
+    for r in results:
+        print(f"{'already there' if r.skipped else 'copied':>13}  sequence {r.sequence}  {r.bytes:>12} B  {r.url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snapformat", description="Inspect, verify and prune rollout snapshots.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -298,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("part")
     sp.add_argument("out", help="OUT.parquet")
     sp.set_defaults(func=cmd_export)
+    sp = add("copy", "copy a snapshot or a whole store to another store (local <-> s3)")
+    sp.add_argument("src", help="a snapshot location or a store")
+    sp.add_argument("dst", help="a store (or the snapshot's location in it)")
+    sp.set_defaults(func=cmd_copy)
     sp = add("gc", "apply retention and sweep drafts left by crashed writers")
     sp.add_argument("store")
     sp.add_argument("--keep", type=int, default=None, help="keep only the newest K published snapshots")
