@@ -44,6 +44,11 @@ def capture_key(rollout_id: str, attempt: int) -> str:
 def check_capture_key(rollout_id: str, key: str, attempt_index: int, where: str = "capture_key") -> str:
     """Gym's check: ``key`` is ``rollout_id`` or ``<rollout_id>-a<N>`` with ``1 <= N <= attempt_index``."""
     check_rollout_id(rollout_id, where="rollout_id")
+    # Structs run this in __post_init__ before any type check, so wrong types must fail typed here.
+    if not isinstance(attempt_index, int) or isinstance(attempt_index, bool):
+        raise InvalidRecordError(f"attempt_index: {attempt_index!r} is not an integer")
+    if not isinstance(key, str):
+        raise InvalidRecordError(f"{where}: {key!r} is not a string")
     if key == rollout_id:
         return key
     prefix = rollout_id + "-a"

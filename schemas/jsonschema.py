@@ -16,7 +16,11 @@ from schemas.controller import LoaderPlace, RecoveryLedgerRecord, ReplayIndexEnt
 from schemas.gym_records import (
     AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
 )
-from schemas.manifest import CommitRecord, LatestHint, Manifest, PartManifest, StoreMarker
+from schemas.control import (
+    AcknowledgeRequest, Capabilities, CommitRequest, CommitResponse, ControlError, ControlRequest, DiscardRequest,
+    PhaseResponse, RestoreRequest, RestoreResponse,
+)
+from schemas.manifest import CommitRecord, LatestHint, Manifest, PartManifest, PartReceipt, StoreMarker
 
 #: Every persisted record, by the name its schema file carries.
 RECORDS: dict[str, Any] = {
@@ -33,14 +37,32 @@ RECORDS: dict[str, Any] = {
     "LoaderPlace": LoaderPlace,
     "ReplayIndexEntry": ReplayIndexEntry,
     "RecoveryLedgerRecord": RecoveryLedgerRecord,
+    "PartReceipt": PartReceipt,
+}
+
+#: The control protocol's messages (HTTP bodies, not files), exported for servers in other languages.
+CONTROL_MESSAGES: dict[str, Any] = {
+    "Capabilities": Capabilities,
+    "ControlRequest": ControlRequest,
+    "CommitRequest": CommitRequest,
+    "CommitResponse": CommitResponse,
+    "RestoreRequest": RestoreRequest,
+    "RestoreResponse": RestoreResponse,
+    "AcknowledgeRequest": AcknowledgeRequest,
+    "DiscardRequest": DiscardRequest,
+    "PhaseResponse": PhaseResponse,
+    "ControlError": ControlError,
 }
 
 
 def json_schema(name: str) -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of one record."""
-    schema = msgspec.json.schema(RECORDS[name])
+    """The JSON Schema (draft 2020-12) of one record or control message."""
+    if name in RECORDS:
+        schema, sid = msgspec.json.schema(RECORDS[name]), f"snapformat/1/{name}.schema.json"
+    else:
+        schema, sid = msgspec.json.schema(CONTROL_MESSAGES[name]), f"snapformat/1/control/{name}.schema.json"
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"snapformat/1/{name}.schema.json"
+    schema["$id"] = sid
     return schema
 
 
@@ -53,8 +75,10 @@ def export(directory: str | Path) -> list[Path]:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in RECORDS:
-        path = out / f"{name}.schema.json"
-        path.write_text(render(name))
-        written.append(path)
+    for names, folder in ((RECORDS, out), (CONTROL_MESSAGES, out / "control")):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            path = folder / f"{name}.schema.json"
+            path.write_text(render(name))
+            written.append(path)
     return written

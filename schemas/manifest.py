@@ -67,6 +67,15 @@ class PartManifest(msgspec.Struct, frozen=True, kw_only=True):
     written_at: float
 
 
+class PartReceipt(msgspec.Struct, frozen=True, kw_only=True):
+    """What a writer hands back after writing its part: enough for the publisher to find and check
+    the part manifest. It travels over HTTP in Gym's commit result."""
+
+    prefix: RelPath
+    writer: Str
+    part_manifest_checksum: Checksum
+
+
 class ParticipantCommit(msgspec.Struct, frozen=True, kw_only=True):
     """One Gym participant's commit result, as the manifest keeps it."""
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.errors import InvalidRecordError
+from schemas.errors import InvalidRecordError, VersionError
+from schemas.version import RECORD_SCHEMA_VERSION
 
 TOKEN_CAPTURE_SCHEMA = pa.schema(
     [
@@ -65,8 +66,14 @@ _PARENT_RESOLUTIONS = pa.array(["root", "resolved", "unresolved"])
 
 
 def check_schema(kind: str, schema: pa.Schema, where: str) -> None:
-    """Every required column of ``kind`` is present with its exact type (extra columns allowed)."""
+    """Every required column of ``kind`` is present with its exact type (extra columns allowed),
+    and the file's ``snapformat.schema_version`` (1 when absent) is one this reader understands."""
     expected = ROW_SCHEMAS[kind]
+    raw = (schema.metadata or {}).get(b"snapformat.schema_version", b"1")
+    if not raw.isdigit() or not 1 <= int(raw) <= RECORD_SCHEMA_VERSION:
+        raise VersionError(
+            f"{where}: snapformat.schema_version {raw.decode(errors='replace')!r} is not supported "
+            f"(this reader understands 1..{RECORD_SCHEMA_VERSION})")
     for field in expected:
         idx = schema.get_field_index(field.name)
         if idx < 0:
@@ -138,6 +145,12 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
         raise InvalidRecordError(f"{where}: row {i}: attempt_index {attempt[i].as_py()} is negative")
     if kind != "token_capture_rows":
         return
+    sv = batch.column("schema_version")
+    i = _first_bad(pc.or_(pc.less(sv, 1), pc.greater(sv, RECORD_SCHEMA_VERSION)))
+    if i is not None:
+        raise VersionError(
+            f"{where}: row {i}: schema_version {sv[i].as_py()} is not supported "
+            f"(this reader understands 1..{RECORD_SCHEMA_VERSION})")
     rid, key = batch.column("rollout_id"), batch.column("capture_key")
     expected_key = pc.if_else(
         pc.equal(attempt, 0), rid,

@@ -70,10 +70,12 @@ def copy_snapshot(src: Snapshot, dst_url: str | Store, progress: Callable[[int],
         total += f.size
     manifest_key = f"{layout.snapshot_dir(sid)}/{layout.MANIFEST_NAME}"
     _stream(src, manifest_key, dst.store, src.commit.manifest_size, src.commit.manifest_checksum, progress)
-    dst.store.create_exclusive(layout.commit_key(seq), jsonl.encode_json(src.commit))
     newest = discovery.latest_sequence(dst.store)
-    if newest is None or newest <= seq:
+    if newest is None or newest < seq:
+        # Hint first: a copy may leave a gap below ``seq``, which the forward probe cannot cross.
+        # A hint naming a not-yet-created commit only sends readers to the listing fallback.
         dst.store.put_bytes(layout.HINT_KEY, msgspec.json.encode(LatestHint(sequence=seq, snapshot_id=sid)))
+    dst.store.create_exclusive(layout.commit_key(seq), jsonl.encode_json(src.commit))
     return CopyResult(sid, seq, url, total + src.commit.manifest_size, skipped=False)
 
 

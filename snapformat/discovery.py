@@ -37,6 +37,7 @@ def read_commit(store: Store, sequence: int) -> CommitRecord:
         raise CorruptSnapshotError(f"{store.display(key)}: commit record of {len(data)} bytes is too large")
     rec = jsonl.decode_json(data, CommitRecord, store.display(key))
     check_readable(rec.format_version, [], store.display(key))
+    layout.check_snapshot_id(rec.snapshot_id, where=f"{store.display(key)}: snapshot_id")
     if rec.sequence != sequence:
         raise CorruptSnapshotError(f"{store.display(key)}: names sequence {rec.sequence}, expected {sequence}")
     return rec

@@ -19,22 +19,13 @@ import pyarrow as pa
 
 from schemas.errors import InvalidPathError, InvalidRecordError
 from schemas.identity import check_relative_path
-from schemas.manifest import FileEntry, ParentRef, PartManifest
+from schemas.manifest import FileEntry, ParentRef, PartManifest, PartReceipt
 from schemas.version import FORMAT_VERSION
 from snapformat import jsonl, layout
 from snapformat.arrow_parts import RowsWriter
 from snapformat.checksum import HashingWriter, checksum_bytes
 from snapformat.kinds import RECORD_TYPES, storage_of
 from snapformat.store import Store, open_store
-
-
-class PartReceipt(msgspec.Struct, frozen=True, kw_only=True):
-    """What a participant hands back after writing its part: enough for the publisher to find and
-    check the part manifest (it travels over HTTP in Gym's commit result)."""
-
-    prefix: str
-    writer: str
-    part_manifest_checksum: str
 
 
 class PartWriter:
@@ -65,7 +56,12 @@ class PartWriter:
         return self.store.display(layout.file_key(self.snapshot_id, rel))
 
     def _open(self, rel: str):
-        return self.store.open_write(layout.file_key(self.snapshot_id, rel))
+        try:
+            return self.store.open_write(layout.file_key(self.snapshot_id, rel))
+        except FileExistsError:
+            # Another writer of this prefix (or an earlier run of this one) wrote it: one writer per file.
+            raise InvalidPathError(
+                f"{self.where(rel)}: already exists (each file of a snapshot has one writer)") from None
 
     def rows(self, name: str, kind: str, compression: str = "none") -> _RowsFile:
         """A streaming writer for an Arrow row part: ``with part.rows(...) as w: w.write(batch)``."""
@@ -243,6 +239,8 @@ class SnapshotDraft:
 
     def _check_prefix(self, prefix: str) -> None:
         check_relative_path(prefix, where="part prefix")
+        if prefix.split("/", 1)[0] in (layout.MANIFEST_NAME, layout.HEARTBEAT_NAME):
+            raise InvalidPathError(f"part prefix {prefix!r} is reserved (the draft's own files)")
         for other in self._parts:
             self._check_overlap(prefix, other)
 
@@ -262,7 +260,11 @@ class SnapshotDraft:
         from snapformat.publish import load_part  # one direction: publish knows drafts' parts
 
         if receipt.prefix in self._parts:
-            return self._parts[receipt.prefix][0]
+            part, checksum = self._parts[receipt.prefix]
+            if checksum != receipt.part_manifest_checksum:
+                raise InvalidPathError(f"{self.url}: part {receipt.prefix!r} was already added with part manifest "
+                                       f"{checksum}; a second receipt names {receipt.part_manifest_checksum}")
+            return part
         self._check_prefix(receipt.prefix)
         part = load_part(self.store, self.snapshot_id, receipt)
         self._parts[receipt.prefix] = (part, receipt.part_manifest_checksum)
@@ -275,7 +277,7 @@ class SnapshotDraft:
 
     def touch(self) -> None:
         """Refresh the draft's age so GC never takes a long-running writer's draft for a leftover."""
-        key = f"{layout.snapshot_dir(self.snapshot_id)}/draft-heartbeat"
+        key = f"{layout.snapshot_dir(self.snapshot_id)}/{layout.HEARTBEAT_NAME}"
         self.store.put_bytes(key, msgspec.json.encode({"at": time.time()}))
 
     def publish(self, **kwargs: Any):

@@ -24,6 +24,7 @@ COMMITS = "_commits"
 SNAPSHOTS = "snapshots"
 MANIFEST_NAME = "manifest.json"
 PART_MANIFEST_NAME = "part-manifest.json"
+HEARTBEAT_NAME = "draft-heartbeat"
 
 _MAX_SEQ = 2**64 - 1
 _COMMIT_RE = re.compile(r"^([0-9]{20})\.json$")

@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from schemas.errors import CommitConflictError, CorruptSnapshotError, InvalidPathError, StoreError
+from schemas.errors import CommitConflictError, CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
 from schemas.identity import check_relative_path
 from schemas.manifest import CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
 from schemas.version import FORMAT_VERSION, check_readable
@@ -79,6 +79,20 @@ def _check_files_present(store: Store, snapshot_id: str, files: list[FileEntry])
             raise CorruptSnapshotError(f"{store.display(key)}: size is {size}, writer {f.writer!r} listed {f.size}")
 
 
+def _check_gym_parts(draft: SnapshotDraft, gym_commit: GymCommit | None) -> None:
+    """Every part Gym's commit result names must be one of the parts being published."""
+    if gym_commit is None:
+        return
+    added = {part.prefix: checksum for part, checksum in draft.parts}
+    for p in gym_commit.participants:
+        if p.part_prefix is None:
+            continue
+        if added.get(p.part_prefix) != p.part_manifest_checksum:
+            raise CorruptSnapshotError(
+                f"{draft.url}: Gym's commit names part {p.part_prefix!r} with part manifest {p.part_manifest_checksum}, "
+                f"but the parts being published have {added.get(p.part_prefix, 'no such part')}")
+
+
 def publish(
     draft: SnapshotDraft,
     *,
@@ -97,6 +111,8 @@ def publish(
     """
     store = draft.store
     t0 = time.perf_counter()
+    if keep_latest is not None and keep_latest < 1:  # refuse before the commit, not after it
+        raise InvalidRecordError(f"keep_latest: {keep_latest} (expected >= 1; the newest is always kept)")
     draft.close_local_parts()
     for r in receipts:
         draft.add_part(r)
@@ -109,6 +125,7 @@ def publish(
             raise InvalidPathError(f"{draft.url}: file {f.path!r} listed twice")
         seen.add(f.path)
     _check_files_present(store, draft.snapshot_id, files)
+    _check_gym_parts(draft, gym_commit)
     files.extend(_part_manifest_entry(store, draft.snapshot_id, p, checksum) for p, checksum in draft.parts)
     timings = dict(timings_s or {})
     committed_at = time.time()

@@ -29,21 +29,29 @@ def load_manifest(store: Store, commit: CommitRecord) -> Manifest:
     """Read ``manifest.json`` of a committed snapshot and check it against the commit record."""
     key = f"{layout.snapshot_dir(commit.snapshot_id)}/{layout.MANIFEST_NAME}"
     where = store.display(key)
+    # A mismatch may be the commit record's fault (it has no checksum of its own): name it too.
+    commit_where = store.display(layout.commit_key(commit.sequence))
     if commit.manifest_size > MAX_MANIFEST_BYTES:
         raise CorruptSnapshotError(f"{where}: manifest of {commit.manifest_size} bytes exceeds {MAX_MANIFEST_BYTES}")
     try:
         data = store.read_bytes(key)
     except FileNotFoundError:
-        raise CorruptSnapshotError(f"{where}: missing, but sequence {commit.sequence} is committed") from None
+        raise CorruptSnapshotError(
+            f"{where}: missing, but {commit_where} commits it as sequence {commit.sequence}") from None
     if len(data) != commit.manifest_size:
-        raise CorruptSnapshotError(f"{where}: size is {len(data)} bytes, the commit record says {commit.manifest_size}")
-    check(where, checksum_bytes(data, commit.manifest_checksum.partition(":")[0]), commit.manifest_checksum)
+        raise CorruptSnapshotError(
+            f"{where}: size is {len(data)} bytes, the commit record {commit_where} says {commit.manifest_size}")
+    actual = checksum_bytes(data, commit.manifest_checksum.partition(":")[0])
+    if actual != commit.manifest_checksum:
+        raise CorruptSnapshotError(
+            f"{where}: checksum mismatch (the commit record {commit_where} says {commit.manifest_checksum}, "
+            f"file has {actual})")
     manifest = jsonl.decode_json(data, Manifest, where)
     check_readable(manifest.format_version, manifest.required_features, where)
     if manifest.snapshot_id != commit.snapshot_id or manifest.sequence != commit.sequence:
         raise CorruptSnapshotError(
-            f"{where}: is snapshot {manifest.snapshot_id!r} sequence {manifest.sequence}, the commit names "
-            f"{commit.snapshot_id!r} sequence {commit.sequence}")
+            f"{where}: is snapshot {manifest.snapshot_id!r} sequence {manifest.sequence}, the commit record "
+            f"{commit_where} names {commit.snapshot_id!r} sequence {commit.sequence}")
     seen: set[str] = set()
     for i, f in enumerate(manifest.files):
         check_relative_path(f.path, where=f"{where}: files[{i}].path")
@@ -126,7 +134,7 @@ class Snapshot:
         else:
             buffer = pa.py_buffer(self.read_bytes(entry, verify=False))
         return open_buffer(buffer, entry.kind, where, entry.size, entry.checksum if verify else None,
-                           batches=entry.batches)
+                           batches=entry.batches, records=entry.records)
 
     def read_table(self, part: str, verify: bool = True) -> pa.Table:
         """Every row of a row kind (all files, in manifest order) as one zero-copy table."""

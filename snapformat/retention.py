@@ -48,6 +48,14 @@ def apply_retention(store: Store, keep_latest: int) -> list[str]:
     return deleted
 
 
+def _committed_now(store: Store, sequence: int, snapshot_id: str) -> bool:
+    """Re-check right before deleting: a writer may have committed since the listing."""
+    try:
+        return discovery.read_commit(store, sequence).snapshot_id == snapshot_id
+    except SnapshotError:
+        return False
+
+
 def sweep_drafts(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S, now: float | None = None) -> tuple[list[str], list[str]]:
     """Delete uncommitted snapshot folders idle for ``min_age_s``, and stale temporary files."""
     now = time.time() if now is None else now
@@ -66,7 +74,7 @@ def sweep_drafts(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S, now: 
         mtimes = [o.mtime for o in store.walk(prefix)]
         if not mtimes:
             continue  # an emptied folder some object stores keep listing: nothing to sweep
-        if now - max(mtimes) >= min_age_s:
+        if now - max(mtimes) >= min_age_s and not (m and _committed_now(store, int(m.group(1)), name)):
             store.delete_tree(prefix)
             swept.append(name)
     temps = []

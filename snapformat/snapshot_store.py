@@ -34,6 +34,7 @@ class SnapshotStore:
 
     def _ensure_marker(self) -> None:
         if self.store.exists(layout.MARKER_KEY):
+            self.check_marker()  # never write v1 snapshots into a store of another major version
             return
         try:
             self.store.create_exclusive(layout.MARKER_KEY, jsonl.encode_json(StoreMarker()))

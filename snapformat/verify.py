@@ -82,9 +82,14 @@ def _check_records(snap: Snapshot, entry: FileEntry, token_index: list) -> None:
 
 def _check_token_index(snap: Snapshot, token_index: list, readers: dict, problems: list[Problem]) -> None:
     kinds = {f.path: f.kind for f in snap.manifest.files}
+    broken = {p.file for p in problems}
+    skipped: dict[tuple[str, str], int] = {}
     for entry, line, rec in token_index:
         where = f"{snap.where(entry)}: line {line}"
         reader = readers.get(rec.file)
+        if reader is None and rec.file in broken:  # already reported; one line, not one per entry
+            skipped[(entry.path, rec.file)] = skipped.get((entry.path, rec.file), 0) + 1
+            continue
         if reader is None:
             what = "is not in the manifest" if rec.file not in kinds else f"is a {kinds[rec.file]} part, not a valid token-capture part"
             problems.append(Problem(entry.path, f"{where}: file {rec.file!r} {what}"))
@@ -101,6 +106,9 @@ def _check_token_index(snap: Snapshot, token_index: list, readers: dict, problem
         keys = set(rows.column("capture_key").to_pylist())
         if calls != {rec.model_call_id} or keys != {rec.capture_key}:
             problems.append(Problem(entry.path, f"{where}: rows hold calls {sorted(calls)} of {sorted(keys)}, the index says {rec.model_call_id!r} of {rec.capture_key!r}"))
+    for (index_path, target), n in skipped.items():
+        problems.append(Problem(index_path, f"{snap.store.display(snap.key(next(f for f in snap.manifest.files if f.path == index_path)))}: "
+                                            f"{n} entries point into {target!r}, which failed verification"))
 
 
 def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = None) -> VerifyReport:

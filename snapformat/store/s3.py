@@ -142,9 +142,25 @@ class S3Store(Store):
 
     # -- reads -------------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
+        """One ranged GET for objects under ``part_size`` (commit records, hints, manifests); larger
+        objects fetch the rest in ``part_size`` ranges, in parallel. A plain ``cat_file`` would HEAD
+        every object first to size it: two requests for each small read."""
         self._check_bucket()
+        path = self._path(key)
         try:
-            return self.fs.cat_file(self._path(key))
+            try:
+                first = self.fs.cat_file(path, start=0, end=self.part_size)
+            except OSError as exc:
+                if _code(exc) == "InvalidRange":  # any range of an empty object is unsatisfiable
+                    return self.fs.cat_file(path, max_concurrency=1)
+                raise
+            if len(first) < self.part_size:
+                return first
+            size = int(self.fs.info(path)["size"])
+            starts = list(range(len(first), size, self.part_size))
+            rest = self.fs.cat_ranges([path] * len(starts), starts, [min(s + self.part_size, size) for s in starts],
+                                      batch_size=max(1, self.fs.max_concurrency), on_error="raise")
+            return b"".join([first, *rest])
         except FileNotFoundError:
             raise FileNotFoundError(self.display(key)) from None
         except Exception as exc:  # noqa: BLE001

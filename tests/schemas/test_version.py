@@ -1,0 +1,226 @@
+"""Format and record versions: what this reader refuses, and that it says why.
+
+Each snapshot-level case publishes a real snapshot, then rewrites ``manifest.json`` (or a part)
+and its commit record consistently (size and checksum updated), so that only the version check
+can refuse it; an unchanged rewrite is shown to open. Proves that:
+- a manifest of a newer major version (``2.0``) or with an unknown required feature is refused
+  with ``VersionError`` naming the file, the snapshot's version and this reader's ``1.0``;
+- the same version (``1.0``) and a newer minor without required features (``1.1``) are read;
+- a commit record or store marker of another major version is refused the same way;
+- a JSON line (plain or zstd) or loader place with ``schema_version`` 2 is refused with
+  ``VersionError``, and one with ``schema_version`` 0 with a typed error, each naming file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.controller import LoaderPlace
+from schemas.errors import InvalidRecordError, SnapshotError, VersionError
+from schemas.gym_records import AgentContinuationRoot
+from schemas.version import FORMAT_VERSION, check_readable, check_record_version, parse_version
+from snapformat import SnapshotStore, layout, open_snapshot, verify_snapshot
+from snapformat.checksum import checksum_bytes
+from snapformat.publish import Published
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def continuation(i: int, schema_version: int = 1) -> AgentContinuationRoot:
+    return AgentContinuationRoot(schema_version=schema_version, rollout_id=f"p{i}_g0", attempt_index=0,
+                                 capture_key=f"p{i}_g0", last_committed_model_call_id=f"call-{i}",
+                                 resource_state_revisions={"tools": i})
+
+
+def publish_small(root: Path, lines: list[AgentContinuationRoot] | None = None, compress: str = "none",
+                  loader: LoaderPlace | None = None) -> tuple[SnapshotStore, Published]:
+    store = SnapshotStore(str(root))
+    draft = store.begin()
+    part = draft.part("gym/agent/agent0")
+    part.write_records("continuations", "continuations", lines or [continuation(i) for i in range(3)],
+                       compress=compress)
+    draft.part("controller").write_json("loader", "loader_place", loader or LoaderPlace(epoch=0, consumed=4, seed=7))
+    return store, draft.publish()
+
+
+def rewrite_manifest(root: Path, pub: Published, change: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``change`` to manifest.json and update the commit record so that both agree."""
+    manifest_path = root / layout.snapshot_dir(pub.manifest.snapshot_id) / layout.MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_bytes())
+    change(manifest)
+    data = json.dumps(manifest, indent=1).encode() + b"\n"
+    manifest_path.write_bytes(data)
+    commit_path = root / layout.commit_key(pub.manifest.sequence)
+    commit = json.loads(commit_path.read_bytes())
+    commit.update(manifest_size=len(data), manifest_checksum=checksum_bytes(data))
+    commit_path.write_bytes(json.dumps(commit).encode())
+
+
+def rewrite_file(root: Path, pub: Published, rel: str, data: bytes) -> None:
+    """Replace one file of the snapshot and update its manifest entry (size, checksum)."""
+    (root / layout.snapshot_dir(pub.manifest.snapshot_id) / rel).write_bytes(data)
+
+    def change(manifest: dict[str, Any]) -> None:
+        for f in manifest["files"]:
+            if f["path"] == rel:
+                f.update(size=len(data), checksum=checksum_bytes(data))
+                if f.get("compression") == "zstd":
+                    raise AssertionError("rewrite_file writes plain files only")
+
+    rewrite_manifest(root, pub, change)
+
+
+def open_all_ways(store: SnapshotStore, pub: Published) -> list[Callable[[], Any]]:
+    return [lambda: store.open(pub.manifest.sequence), store.latest, lambda: open_snapshot(pub.url)]
+
+
+def test_an_unchanged_rewrite_still_opens(tmp_path: Path) -> None:
+    store, pub = publish_small(tmp_path)
+    rewrite_manifest(tmp_path, pub, lambda m: None)
+    for opener in open_all_ways(store, pub):
+        snap = opener()
+        assert snap.manifest == pub.manifest
+    assert verify_snapshot(store.open(1)).ok
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.17"])
+def test_same_major_is_read(tmp_path: Path, version: str) -> None:
+    store, pub = publish_small(tmp_path)
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version=version, a_newer_field={"x": 1}))
+    snap = store.open(1)
+    assert snap.manifest.format_version == version
+    assert snap.records("continuations") == [continuation(i) for i in range(3)]
+
+
+@pytest.mark.parametrize("version", ["2.0", "0.9", "10.0"])
+def test_other_major_is_refused_naming_both_versions(tmp_path: Path, version: str) -> None:
+    store, pub = publish_small(tmp_path)
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version=version))
+    for opener in open_all_ways(store, pub):
+        with pytest.raises(VersionError) as err:
+            opener()
+        message = str(err.value)
+        assert version in message and FORMAT_VERSION in message
+        assert layout.MANIFEST_NAME in message and pub.manifest.snapshot_id in message
+
+
+@pytest.mark.parametrize("features", [["shared_objects"], ["from_the_future"], ["shared_objects", "zz"]])
+def test_unknown_required_feature_is_refused_naming_both_versions(tmp_path: Path, features: list[str]) -> None:
+    store, pub = publish_small(tmp_path)
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version="1.3", required_features=features))
+    with pytest.raises(VersionError) as err:
+        store.open(1)
+    message = str(err.value)
+    assert all(f in message for f in features)
+    assert "1.3" in message and FORMAT_VERSION in message and layout.MANIFEST_NAME in message
+
+
+@pytest.mark.parametrize("version", ["1", "v1.0", "1.0.0", "", "1.x", "١.٠"])
+def test_unparseable_version_is_refused(tmp_path: Path, version: str) -> None:
+    store, pub = publish_small(tmp_path)
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version=version))
+    with pytest.raises(VersionError, match="format_version"):
+        store.open(1)
+
+
+def test_commit_record_of_a_newer_major_is_refused(tmp_path: Path) -> None:
+    store, pub = publish_small(tmp_path)
+    commit_path = tmp_path / layout.commit_key(1)
+    commit = json.loads(commit_path.read_bytes()) | {"format_version": "2.0"}
+    commit_path.write_bytes(json.dumps(commit).encode())
+    with pytest.raises(VersionError) as err:
+        store.open(1)
+    assert "2.0" in str(err.value) and FORMAT_VERSION in str(err.value)
+    assert layout.commit_key(1) in str(err.value)
+
+
+def test_store_marker_of_a_newer_major_is_refused(tmp_path: Path) -> None:
+    store, _ = publish_small(tmp_path)
+    store.check_marker()
+    (tmp_path / layout.MARKER_KEY).write_text('{"format": "snapformat-store", "format_version": "2.0"}')
+    with pytest.raises(VersionError) as err:
+        store.check_marker()
+    assert "2.0" in str(err.value) and layout.MARKER_KEY in str(err.value)
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_newer_record_line_is_refused_naming_file_and_line(tmp_path: Path, compress: str) -> None:
+    lines = [continuation(0), continuation(1), continuation(2, schema_version=2), continuation(3)]
+    store, pub = publish_small(tmp_path, lines, compress=compress)
+    snap = store.open(1)
+    entry = snap.files("continuations")[0]
+    with pytest.raises(VersionError) as err:
+        snap.records("continuations")
+    message = str(err.value)
+    assert entry.path in message and "line 3" in message and "schema_version 2" in message
+    problems = verify_snapshot(snap).problems
+    assert [p.file for p in problems] == [entry.path]
+    assert "line 3" in problems[0].message
+
+
+def test_record_line_of_version_zero_is_refused_naming_file_and_line(tmp_path: Path) -> None:
+    lines = [continuation(0), continuation(1, schema_version=0)]
+    store, _ = publish_small(tmp_path, lines)
+    snap = store.open(1)
+    entry = snap.files("continuations")[0]
+    with pytest.raises((VersionError, InvalidRecordError)) as err:
+        snap.records("continuations")
+    message = str(err.value)
+    assert entry.path in message and "line 2" in message and "schema_version" in message
+
+
+def test_hand_written_newer_line_is_refused(tmp_path: Path) -> None:
+    store, pub = publish_small(tmp_path)
+    rel = pub.manifest.files[0].path
+    assert rel.endswith("continuations.jsonl")
+    line = {"schema_version": 2, "rollout_id": "p7_g2", "attempt_index": 0, "capture_key": "p7_g2",
+            "last_committed_model_call_id": "call-2", "resource_state_revisions": {"tools": 3},
+            "field_of_version_2": True}
+    rewrite_file(tmp_path, pub, rel, json.dumps(line).encode() + b"\n")
+    with pytest.raises(VersionError, match="line 1"):
+        store.open(1).records("continuations")
+
+
+def test_newer_loader_place_is_refused_naming_the_file(tmp_path: Path) -> None:
+    store, _ = publish_small(tmp_path, loader=LoaderPlace(schema_version=2, epoch=0, consumed=0, seed=0))
+    snap = store.open(1)
+    with pytest.raises(VersionError) as err:
+        snap.records("loader")
+    assert "controller/loader.json" in str(err.value)
+
+
+# ---- the rules themselves ------------------------------------------------------------------------
+
+def test_parse_version() -> None:
+    assert parse_version("1.0", "x") == (1, 0)
+    assert parse_version("12.34", "x") == (12, 34)
+    for bad in ("1", "1.0.0", "a.b", " 1.0", None):
+        with pytest.raises(VersionError, match="manifest.json"):
+            parse_version(bad, "manifest.json")  # type: ignore[arg-type]
+
+
+def test_check_readable() -> None:
+    check_readable("1.0", [], "m")
+    check_readable("1.9", (), "m")
+    with pytest.raises(VersionError):
+        check_readable("2.0", [], "m")
+    with pytest.raises(VersionError, match="shared_objects"):
+        check_readable("1.0", ["shared_objects"], "m")
+
+
+@pytest.mark.parametrize(("version", "ok"), [(1, True), (0, False), (2, False), (-1, False)])
+def test_check_record_version(version: int, ok: bool) -> None:
+    if ok:
+        check_record_version(version, "f: line 1")
+    else:
+        with pytest.raises(VersionError, match=f"f: line 1: schema_version {version}"):
+            check_record_version(version, "f: line 1")
+
+
+def test_version_errors_are_snapshot_errors() -> None:
+    assert issubclass(VersionError, SnapshotError)
