@@ -214,6 +214,10 @@ class ControlPlane:
             try:
                 snapshot = open_snapshot(req.snapshot_url)
                 check_topology(snapshot, req.topology_fingerprint)
+                saved = snapshot.manifest.gym_commit.checkpoint_id if snapshot.manifest.gym_commit else None
+                if saved is not None and saved != req.saved_checkpoint_id:
+                    raise self._refuse(400, "bad_request", f"{req.snapshot_url} holds checkpoint {saved!r}, "
+                                       f"not {req.saved_checkpoint_id!r}", req.checkpoint_id)
             except TopologyMismatchError as exc:
                 raise self._refuse(409, "topology_mismatch", str(exc), req.checkpoint_id) from None
             except SnapshotError as exc:
@@ -222,10 +226,22 @@ class ControlPlane:
             try:
                 payload = await asyncio.wait_for(self.participant.restore(snapshot, self.prefix),
                                                  timeout=max(0.0, req.deadline - time.time()))
+            except (SnapshotError, ControlRefused) as exc:
+                if isinstance(exc, ControlRefused) and exc.status >= 500:
+                    await self._set_phase("failed_restore", req.checkpoint_id)
+                    raise
+                # The participant refused what it read (bad record, corrupt part): drop anything
+                # half-loaded and stay idle, so the caller needs no abort to try another snapshot.
+                await self.participant.reset()
+                await self._set_phase("idle", None)
+                if isinstance(exc, ControlRefused):
+                    raise ControlRefused(exc.status, exc.body.error, exc.body.reason, "idle", req.checkpoint_id) from None
+                raise self._refuse(400, "invalid_record", f"restore refused: {type(exc).__name__}: {exc}",
+                                   req.checkpoint_id) from None
             except BaseException as exc:
                 await self._set_phase("failed_restore", req.checkpoint_id)
-                if isinstance(exc, (SnapshotError, TimeoutError)):
-                    raise self._refuse(500, "internal", f"restore failed: {type(exc).__name__}: {exc}; call abort") from None
+                if isinstance(exc, TimeoutError):
+                    raise self._refuse(500, "internal", f"restore did not finish before the deadline; call abort") from None
                 raise
             await self._set_phase("restored_paused", req.checkpoint_id)
             answer = (200, msgspec.json.encode(RestoreResponse(checkpoint_id=req.checkpoint_id, phase="restored_paused",

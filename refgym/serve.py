@@ -1,0 +1,86 @@
+"""Run one reference Gym server: ``python -m refgym.serve --component model|agent|resource ...``.
+
+The server listens on 127.0.0.1 only. ``--port 0`` picks a free port; ``--port-file`` receives
+the port actually bound (written atomically once the socket is bound, before serving starts), so a
+launcher never races another process for a port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+HOST = "127.0.0.1"
+
+
+def build_app(args: argparse.Namespace, token: str) -> FastAPI:
+    """The FastAPI app of the requested component."""
+    if args.component == "model":
+        from refgym.model_server import create_app as model_app
+
+        return model_app(args.name, token, seed=args.seed, slow_ms=args.slow_ms, commit_delay_ms=args.commit_delay_ms)
+    if args.component == "resource":
+        from refgym.resource_server import create_app as resource_app
+
+        return resource_app(args.name, token, slow_ms=args.slow_ms)
+    if not args.model_url or not args.resource_url:
+        raise SystemExit("an agent server needs --model-url and --resource-url")
+    from refgym.agent_server import create_app as agent_app
+
+    return agent_app(args.name, token, model_url=args.model_url, resource_url=args.resource_url)
+
+
+def bind(port: int) -> socket.socket:
+    """A listening-ready socket on 127.0.0.1 (SO_REUSEADDR, so a restarted server can take its old port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, port))
+    return sock
+
+
+def write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m refgym.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--component", required=True, choices=["model", "agent", "resource"])
+    p.add_argument("--name", required=True, help="the server's name (its part is gym/<component>/<name>)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--port-file", help="write the bound port here")
+    p.add_argument("--token-file", required=True, help="file holding the bearer token of the control routes")
+    p.add_argument("--model-url", help="agent: the policy model server")
+    p.add_argument("--resource-url", help="agent: the resource server")
+    p.add_argument("--seed", type=int, default=0, help="model: the model's seed")
+    p.add_argument("--slow-ms", type=int, default=0, help="model/resource: make every call take this long")
+    p.add_argument("--commit-delay-ms", type=int, default=0, help="model: hold each commit open this long (tests)")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    token = Path(args.token_file).read_text().strip()
+    if not token:
+        print(f"{args.token_file}: empty token", file=sys.stderr)
+        return 2
+    app = build_app(args, token)
+    sock = bind(args.port)
+    port = sock.getsockname()[1]
+    if args.port_file:
+        write_port_file(args.port_file, port)
+    config = uvicorn.Config(app, host=HOST, port=port, log_level=args.log_level, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
