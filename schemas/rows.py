@@ -62,6 +62,9 @@ ROW_SCHEMAS: dict[str, pa.Schema] = {
 
 _ROLLOUT_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 _RESERVED_SUFFIX_RE = r"-a[0-9]+$"
+# Both rules as one search for a breach (one regex pass over the column instead of two): empty, a
+# first character that is not alphanumeric, any character outside the set, or a reserved suffix.
+_ROLLOUT_ID_BREACH_RE = r"^$|^[^A-Za-z0-9]|[^A-Za-z0-9._-]|-a[0-9]+$"
 _PARENT_RESOLUTIONS = pa.array(["root", "resolved", "unresolved"])
 
 
@@ -121,7 +124,8 @@ def conform(kind: str, batch: pa.RecordBatch, where: str) -> pa.RecordBatch:
 
 def _first_bad(mask: pa.Array) -> int | None:
     """Index of the first true value of a boolean mask (nulls count as true), or None."""
-    mask = pc.fill_null(mask, True)
+    if mask.null_count:
+        mask = pc.fill_null(mask, True)
     if not pc.any(mask).as_py():
         return None
     return pc.index(mask, True).as_py()
@@ -131,9 +135,7 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
     """Row-level rules, vectorised: Gym's id and capture-key rules, matching list lengths."""
     for name in ("rollout_id",):
         col = batch.column(name)
-        bad = pc.or_(pc.invert(pc.match_substring_regex(col, _ROLLOUT_ID_RE)),
-                     pc.match_substring_regex(col, _RESERVED_SUFFIX_RE))
-        i = _first_bad(bad)
+        i = _first_bad(pc.match_substring_regex(col, _ROLLOUT_ID_BREACH_RE))
         if i is not None:
             raise InvalidRecordError(
                 f"{where}: row {i}: rollout_id {col[i].as_py()!r} breaks Gym's rule "

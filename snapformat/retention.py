@@ -28,6 +28,7 @@ class GcReport(msgspec.Struct, frozen=True):
     swept_drafts: list[str]
     swept_temp_files: list[str]
     kept: list[int]
+    aborted_uploads: list[str] = []  # incomplete multipart uploads of crashed writers (object stores)
 
 
 def apply_retention(store: Store, keep_latest: int) -> list[str]:
@@ -73,7 +74,13 @@ def sweep_drafts(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S, now: 
         prefix = f"{layout.SNAPSHOTS}/{name}"
         mtimes = [o.mtime for o in store.walk(prefix)]
         if not mtimes:
-            continue  # an emptied folder some object stores keep listing: nothing to sweep
+            # No files: on local disk, empty folders a crash left (between mkdir and the first
+            # file, or midway through a delete_tree), aged by the folder itself; on an object
+            # store, an emptied prefix some stores keep listing (no object: nothing to sweep).
+            try:
+                mtimes = [store.info(prefix).mtime]
+            except FileNotFoundError:
+                continue
         if now - max(mtimes) >= min_age_s and not (m and _committed_now(store, int(m.group(1)), name)):
             store.delete_tree(prefix)
             swept.append(name)
@@ -91,8 +98,31 @@ def sweep_drafts(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S, now: 
     return swept, temps
 
 
+def sweep_uploads(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S,
+                  now: float | None = None) -> list[str]:
+    """Abort the multipart uploads crashed writers left in drafts: no listing shows them, but an
+    object store keeps (and bills) their parts. Only uploads begun ``min_age_s`` ago or more, in a
+    snapshot folder no commit names and where nothing changed for ``min_age_s`` (a live writer's
+    draft is younger), are aborted. Returns their keys."""
+    now = time.time() if now is None else now
+    verdicts: dict[str, bool] = {}
+
+    def keep(key: str) -> bool:
+        name = key.split("/")[1] if key.count("/") >= 2 else ""
+        if name not in verdicts:
+            m = layout.SNAPSHOT_ID_RE.match(name)
+            if not m or _committed_now(store, int(m.group(1)), name):
+                verdicts[name] = True  # not a draft of ours, or published: leave it alone
+            else:
+                verdicts[name] = any(now - o.mtime < min_age_s for o in store.walk(f"{layout.SNAPSHOTS}/{name}"))
+        return verdicts[name]
+
+    return store.abort_uploads(layout.SNAPSHOTS, now - min_age_s, keep)
+
+
 def gc(store: Store, keep_latest: int | None = None, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S) -> GcReport:
-    """Retention (when ``keep_latest`` is given), then the draft sweep."""
+    """Retention (when ``keep_latest`` is given), then the draft sweep, then stale uploads."""
     deleted = apply_retention(store, keep_latest) if keep_latest is not None else []
     swept, temps = sweep_drafts(store, min_age_s)
-    return GcReport(deleted, swept, temps, discovery.committed_sequences(store))
+    uploads = sweep_uploads(store, min_age_s)
+    return GcReport(deleted, swept, temps, discovery.committed_sequences(store), uploads)

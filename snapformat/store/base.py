@@ -8,7 +8,7 @@ provide durable writes and one atomic primitive, :meth:`Store.create_exclusive`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import msgspec
@@ -88,3 +88,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete_tree(self, prefix: str) -> None:
         """Delete every object under the folder ``prefix``; a missing folder is not an error."""
+
+    def abort_uploads(self, prefix: str, older_than: float, keep: Callable[[str], bool]) -> list[str]:
+        """Abort the incomplete uploads under the folder ``prefix`` begun before ``older_than``
+        (a ``time.time()`` value) unless ``keep(key)``; returns their keys.
+
+        A writer killed in the middle of a multipart upload leaves no object (no listing shows
+        it), but the server keeps, and bills, its parts until the upload is aborted. Backends
+        without such uploads have none to abort.
+        """
+        return []

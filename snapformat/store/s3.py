@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from schemas.errors import CommitConflictError, StoreError
+from schemas.errors import CommitConflictError, SnapshotError, StoreError
 from snapformat.store.base import ObjectInfo, Store
 
 try:
@@ -79,8 +79,8 @@ class S3Store(Store):
                  read_timeout: float = 60.0, retries: int = 2) -> None:
         if not url.startswith("s3://"):
             raise StoreError(f"{url}: not an s3:// URL")
-        path = url[len("s3://"):].strip("/")
-        if not path:
+        path = url[len("s3://"):].rstrip("/")
+        if not path or path.startswith("/"):  # s3:///prefix names no bucket (not bucket "prefix")
             raise StoreError(f"{url}: no bucket in the URL (expected s3://bucket/prefix)")
         self.url = url.rstrip("/")
         self.bucket, _, prefix = path.partition("/")
@@ -282,6 +282,35 @@ class S3Store(Store):
             except Exception as exc:  # noqa: BLE001
                 raise self._fail(exc, prefix, "delete") from None
 
+    def abort_uploads(self, prefix: str, older_than: float, keep: Callable[[str], bool]) -> list[str]:
+        self._check_bucket()
+        base = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": f"{base}/" if base else ""}
+        aborted = []
+        try:
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", **kw)
+                for up in page.get("Uploads", []):
+                    key = up["Key"][strip:]
+                    if up["Initiated"].timestamp() >= older_than or keep(key):
+                        continue
+                    try:
+                        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"],
+                                        UploadId=up["UploadId"])
+                    except Exception as exc:  # noqa: BLE001
+                        if _code(exc) != "NoSuchUpload" and _status(exc) != 404:  # completed or aborted meanwhile
+                            raise
+                    aborted.append(key)
+                if not page.get("IsTruncated"):
+                    break
+                kw.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+        except SnapshotError:
+            raise  # from keep(): already says what failed
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc, prefix, "abort incomplete uploads") from None
+        return aborted
+
 
 class _MultipartWriter:
     """Buffers ``part_size`` bytes at a time; full parts upload in parallel, bounded in number.
@@ -304,19 +333,24 @@ class _MultipartWriter:
         self.closed = False
 
     def write(self, data) -> int:
+        # One copy per byte: fill the part buffer up to part_size and hand that buffer itself to the
+        # upload (slicing a full buffer and deleting its head copied every byte twice more).
         view = memoryview(data).cast("B")
-        self._buf += view
-        self._size += len(view)
-        while len(self._buf) >= self._store.part_size:
-            chunk = bytes(self._buf[: self._store.part_size])
-            del self._buf[: self._store.part_size]
-            self._submit(chunk)
-        return len(view)
+        n, off, part_size = len(view), 0, self._store.part_size
+        while off < n:
+            take = min(part_size - len(self._buf), n - off)
+            self._buf += view[off:off + take]
+            off += take
+            if len(self._buf) >= part_size:
+                chunk, self._buf = self._buf, bytearray()
+                self._submit(chunk)
+        self._size += n
+        return n
 
     def _call(self, method: str, **kw: Any) -> Any:
         return self._store.fs.call_s3(method, Bucket=self._store.bucket, Key=self._key, **kw)
 
-    def _submit(self, chunk: bytes) -> None:
+    def _submit(self, chunk: bytes | bytearray) -> None:
         if self._upload_id is None:
             try:
                 self._upload_id = self._call("create_multipart_upload")["UploadId"]

@@ -1,0 +1,1 @@
+"""Benchmarks of snapformat: ``make bench`` runs ``python -m benchmarks.run`` (see ``run.py``)."""

@@ -1,0 +1,176 @@
+"""``make bench``: run the benchmark sections and write their reports to ``benchmarks/results/``.
+
+    python -m benchmarks.run                      # every section, 1 GiB of rows, 3 repeats
+    python -m benchmarks.run --quick              # 128 MiB, 2 repeats -> results/<section>-quick.md
+    python -m benchmarks.run --size-gib 4 --section format
+
+Each section writes ``results/<section>.md`` (the committed report: machine, command, table) and
+``results/<section>.json`` (every measured time; git-ignored). Add a section by adding a function
+to ``SECTIONS`` that takes the parsed options and a log function and returns ``(markdown, data)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_SCRATCH = HERE / ".scratch"
+DEFAULT_RESULTS = HERE / "results"
+QUICK_SIZE_GIB = 0.125
+QUICK_REPEATS = 2
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _format_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import format_bench
+
+    result = format_bench.run(size_gib=opts.size_gib, repeats=opts.repeats, scratch=opts.scratch,
+                              cold=opts.cold, batch_rows=opts.batch_rows, log=say)
+    title = "# Format benchmark: snapformat vs raw file I/O vs pickle\n\n"
+    return title + result.markdown(), result.to_json()
+
+
+#: name -> section runner; each returns (markdown body, JSON-able data).
+SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[str, dict]]] = {
+    "format": _format_section,
+}
+
+
+def _meminfo_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _filesystem(path: Path) -> str:
+    """``<device> (<fstype>)`` of the mount holding ``path``."""
+    best = ("", "unknown", "unknown")
+    try:
+        target = str(path.resolve())
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                dev, mnt, fstype, *_ = line.split()
+                if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, dev, fstype)
+    except OSError:
+        pass
+    return f"{best[1]} ({best[2]}, mounted on {best[0] or '?'})"
+
+
+def machine_info(scratch: Path) -> dict:
+    import numpy
+    import pyarrow
+    import xxhash
+
+    import snapformat
+
+    mem = _meminfo_total()
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "host": platform.node(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1) if mem else None,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "kernel": platform.platform(),
+        "python": sys.version.split()[0],
+        "pyarrow": pyarrow.__version__,
+        "numpy": numpy.__version__,
+        "xxhash": xxhash.VERSION,
+        "snapformat": snapformat.__version__,
+        "scratch_filesystem": _filesystem(scratch.parent if not scratch.exists() else scratch),
+    }
+
+
+def _machine_markdown(info: dict, command: str) -> str:
+    rows = [
+        ("date", info["date_utc"]),
+        ("command", f"`{command}`"),
+        ("machine", f"{info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), "
+                    f"{info['memory_gib']} GiB memory; load average at start {info['load_average_at_start']}"),
+        ("system", info["kernel"]),
+        ("software", f"Python {info['python']}, pyarrow {info['pyarrow']}, numpy {info['numpy']}, "
+                     f"xxhash {info['xxhash']}, snapformat {info['snapformat']}"),
+        ("scratch disk", info["scratch_filesystem"]),
+    ]
+    return "\n".join(f"- **{k}**: {v}" for k, v in rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--size-gib", type=float, default=None,
+                   help=f"rows to build, GiB in memory (default 1; --quick: {QUICK_SIZE_GIB})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a fast run: {QUICK_SIZE_GIB} GiB, {QUICK_REPEATS} repeats, reports named <section>-quick")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"repeats per measurement (default 3; --quick: {QUICK_REPEATS})")
+    p.add_argument("--section", action="append", choices=sorted(SECTIONS), help="run only this section (repeatable)")
+    p.add_argument("--no-cold", dest="cold", action="store_false", help="skip the cold-cache load rows")
+    p.add_argument("--batch-rows", type=int, default=4096, help="rows per record batch (default 4096)")
+    p.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH, help="temporary folder (removed afterwards)")
+    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the reports go")
+    opts = p.parse_args(argv)
+    if opts.size_gib is None:
+        opts.size_gib = QUICK_SIZE_GIB if opts.quick else 1.0
+    if opts.repeats is None:
+        opts.repeats = QUICK_REPEATS if opts.quick else 3
+    if opts.size_gib <= 0 or opts.repeats < 1 or opts.batch_rows < 1:
+        p.error("--size-gib, --repeats and --batch-rows must be positive")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    opts = parse_args(args)
+    command = " ".join(["python -m benchmarks.run", *map(shlex.quote, args)])
+    opts.results.mkdir(parents=True, exist_ok=True)
+    info = machine_info(opts.scratch)
+    log(f"benchmarks: {command}")
+    log(f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
+        f"load {info['load_average_at_start']}")
+    for name in opts.section or list(SECTIONS):
+        t0 = time.perf_counter()
+        body, data = SECTIONS[name](opts, log)
+        stem = f"{name}-quick" if opts.quick else name
+        md = body.split("\n\n", 1)
+        report = f"{md[0]}\n\n{_machine_markdown(info, command)}\n\n{md[1] if len(md) > 1 else ''}".rstrip() + "\n"
+        (opts.results / f"{stem}.md").write_text(report)
+        (opts.results / f"{stem}.json").write_text(
+            json.dumps({"section": name, "command": command, "machine": info, "result": data}, indent=2) + "\n")
+        print()
+        print(report, flush=True)
+        log(f"{name}: done in {time.perf_counter() - t0:.0f} s; wrote {opts.results / (stem + '.md')} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
