@@ -263,8 +263,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(report)
         return 0
-    print(f"deleted {len(report.deleted_snapshots)} snapshot(s), swept {len(report.swept_drafts)} draft(s) "
-          f"and {len(report.swept_temp_files)} temporary file(s); kept sequences {report.kept}")
+    print(f"deleted {len(report.deleted_snapshots)} snapshot(s), swept {len(report.swept_drafts)} draft(s), "
+          f"{len(report.swept_temp_files)} temporary file(s) and {len(report.aborted_uploads)} incomplete upload(s); "
+          f"kept sequences {report.kept}")
     return 0
 
 
