@@ -42,9 +42,17 @@ def _format_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tup
     return title + result.markdown(), result.to_json()
 
 
+def _s3_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import s3_bench
+
+    result = s3_bench.run(opts.size_gib, opts.quick, log=say)
+    return s3_bench.markdown(result), result
+
+
 #: name -> section runner; each returns (markdown body, JSON-able data).
 SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[str, dict]]] = {
     "format": _format_section,
+    "s3": _s3_section,
 }
 
 

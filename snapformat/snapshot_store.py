@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from schemas.errors import CorruptSnapshotError, InvalidRecordError, SnapshotError, TopologyMismatchError
+from schemas.errors import (
+    CorruptSnapshotError, InvalidRecordError, NotPublishedError, SnapshotError, TopologyMismatchError,
+)
 from schemas.manifest import CommitRecord, ParentRef, StoreMarker
 from schemas.version import check_readable
 from snapformat import discovery, jsonl, layout
@@ -33,9 +35,11 @@ class SnapshotStore:
         return self.store.url
 
     def _ensure_marker(self) -> None:
-        if self.store.exists(layout.MARKER_KEY):
+        try:
             self.check_marker()  # never write v1 snapshots into a store of another major version
             return
+        except NotPublishedError:
+            pass  # no marker yet: a new store
         try:
             self.store.create_exclusive(layout.MARKER_KEY, jsonl.encode_json(StoreMarker()))
         except SnapshotError:
@@ -48,8 +52,6 @@ class SnapshotStore:
         try:
             data = self.store.read_bytes(layout.MARKER_KEY)
         except FileNotFoundError:
-            from schemas.errors import NotPublishedError
-
             raise NotPublishedError(f"{self.store.url}: not a snapshot store ({layout.MARKER_KEY} is missing)") from None
         if len(data) > 64 * 1024:
             raise CorruptSnapshotError(f"{where}: too large")
