@@ -87,12 +87,24 @@ class S3Server:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}; log: {self.log_path}")
             try:
-                self.client().list_buckets()
+                self._probe()
                 return
             except Exception as exc:  # noqa: BLE001 - not ready yet
                 last = exc
                 time.sleep(0.25)
         raise RuntimeError(f"{self.kind} at {self.endpoint} not ready after {_START_TIMEOUT_S}s: {last}; log: {self.log_path}")
+
+    def _probe(self) -> None:
+        """Ready means every layer answers: listing, and a write and a read in every bucket
+        (SeaweedFS answers ListBuckets before its volume server takes writes after a restart)."""
+        client = self.client()
+        buckets = [b["Name"] for b in client.list_buckets().get("Buckets", [])]
+        for bucket in buckets:
+            client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+        if buckets:
+            client.put_object(Bucket=buckets[0], Key=".ready-probe", Body=b"ok")
+            client.get_object(Bucket=buckets[0], Key=".ready-probe")["Body"].read()
+            client.delete_object(Bucket=buckets[0], Key=".ready-probe")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is None or self.proc.poll() is not None:
