@@ -14,6 +14,7 @@ from typing import BinaryIO
 import xxhash
 
 from schemas.errors import CorruptSnapshotError
+from snapformat.store.base import WriteStream
 
 ALGORITHM = "xxh128"
 _CHUNK = 8 << 20
@@ -49,7 +50,7 @@ def check(where: str, actual: str, expected: str) -> None:
         raise CorruptSnapshotError(f"{where}: checksum mismatch (manifest says {expected}, file has {actual})")
 
 
-class HashingWriter:
+class HashingWriter(WriteStream):
     """Wraps a binary writer: counts bytes and checksums them on the way to disk."""
 
     def __init__(self, raw: BinaryIO) -> None:
@@ -64,20 +65,8 @@ class HashingWriter:
         self.size += len(memoryview(data).cast("B")) if not isinstance(data, bytes) else len(data)
         return n
 
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
     def tell(self) -> int:
         return self.size
-
-    def flush(self) -> None:
-        pass
 
     def close(self) -> None:
         # pyarrow closes the sink it was given; the part writer finishes the raw file itself.

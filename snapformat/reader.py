@@ -101,8 +101,8 @@ class Snapshot:
     def where(self, entry: FileEntry) -> str:
         return self.store.display(self.key(entry))
 
-    def read_bytes(self, entry: FileEntry, verify: bool = True) -> bytes:
-        """The stored bytes of one file, size (and checksum) checked."""
+    def check_present(self, entry: FileEntry) -> None:
+        """The file exists with the manifest's size (checked before anything is allocated for it)."""
         where = self.where(entry)
         try:
             info = self.store.info(self.key(entry))
@@ -110,6 +110,11 @@ class Snapshot:
             raise CorruptSnapshotError(f"{where}: missing") from None
         if info.size != entry.size:
             raise CorruptSnapshotError(f"{where}: size is {info.size} bytes, the manifest says {entry.size}")
+
+    def read_bytes(self, entry: FileEntry, verify: bool = True) -> bytes:
+        """The stored bytes of one file, size (and checksum) checked."""
+        where = self.where(entry)
+        self.check_present(entry)
         data = self.store.read_bytes(self.key(entry))
         if len(data) != entry.size:
             raise CorruptSnapshotError(f"{where}: read {len(data)} bytes, the manifest says {entry.size}")

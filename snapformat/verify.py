@@ -40,12 +40,7 @@ class VerifyReport(msgspec.Struct, frozen=True):
 
 def _check_bytes(snap: Snapshot, entry: FileEntry, progress: Callable[[int], None] | None) -> None:
     where = snap.where(entry)
-    try:
-        info = snap.store.info(snap.key(entry))
-    except FileNotFoundError:
-        raise CorruptSnapshotError(f"{where}: missing") from None
-    if info.size != entry.size:
-        raise CorruptSnapshotError(f"{where}: size is {info.size} bytes, the manifest says {entry.size}")
+    snap.check_present(entry)
     with snap.store.open_read(snap.key(entry)) as fh:
         actual = checksum_stream(fh, entry.checksum, progress)
     check(where, actual, entry.checksum)

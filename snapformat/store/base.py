@@ -20,6 +20,40 @@ class ObjectInfo(msgspec.Struct, frozen=True):
     mtime: float
 
 
+class WriteStream:
+    """The file-object surface pyarrow and our writers need from a write-only, unseekable stream.
+
+    Subclasses implement ``write``, ``tell``, ``close`` and ``abort`` (drop what was written);
+    leaving a ``with`` block by an exception aborts instead of closing.
+    """
+
+    closed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass  # durability is close()'s job
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 class Store(abc.ABC):
     """A place that holds snapshots: a local folder or an object-store prefix."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from schemas.errors import CommitConflictError, StoreError
-from snapformat.store.base import ObjectInfo, Store
+from snapformat.store.base import ObjectInfo, Store, WriteStream
 
 _TMP_PREFIX = ".tmp-"
 
@@ -50,7 +50,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _DurableFile:
+class _DurableFile(WriteStream):
     """A file opened for exclusive creation whose ``close()`` flushes, fsyncs it and its folder."""
 
     def __init__(self, path: Path, created_dirs: list[Path]) -> None:
@@ -74,20 +74,8 @@ class _DurableFile:
             self._handed_off = self._written
         return total
 
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
     def tell(self) -> int:
         return self._fh.tell()
-
-    def flush(self) -> None:
-        pass
 
     def close(self) -> None:
         if self.closed:
@@ -108,14 +96,6 @@ class _DurableFile:
             self._fh.close()
         self._path.unlink(missing_ok=True)
 
-    def __enter__(self) -> _DurableFile:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class LocalStore(Store):

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from schemas.errors import CommitConflictError, SnapshotError, StoreError
-from snapformat.store.base import ObjectInfo, Store
+from snapformat.store.base import ObjectInfo, Store, WriteStream
 
 try:
     import botocore.exceptions
@@ -312,7 +312,7 @@ class S3Store(Store):
         return aborted
 
 
-class _MultipartWriter:
+class _MultipartWriter(WriteStream):
     """Buffers ``part_size`` bytes at a time; full parts upload in parallel, bounded in number.
 
     Small objects (under one part) go up as one PUT on close. On error or abort the multipart
@@ -374,20 +374,8 @@ class _MultipartWriter:
         assert self._pool is not None
         self._parts.append(self._pool.submit(upload))
 
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
     def tell(self) -> int:
         return self._size
-
-    def flush(self) -> None:
-        pass
 
     def close(self) -> None:
         if self.closed:
@@ -431,14 +419,6 @@ class _MultipartWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
 
-    def __enter__(self) -> _MultipartWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def open_s3(url: str, **options: Any) -> S3Store:
