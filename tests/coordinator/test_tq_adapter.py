@@ -1,0 +1,196 @@
+"""The TransferQueue adapter: the shared contract against a real TQ (SimpleStorage on Ray, loopback),
+plus what only TQ has: torch dtypes such as bfloat16, TQ's dense/ragged flag, sockets, a racing cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import transfer_queue as tq
+from dataplane_contract import (
+    TOKEN_PARTITION, DataPlaneContract, Harness, norm_object, norm_tensor, publish_cut, training_tags,
+)
+from tensordict import TensorDict
+from tensordict.tensorclass import NonTensorStack
+
+from coordinator import DataPlaneChangedError, Objects, Ragged
+from coordinator import tq_adapter
+from coordinator.tq_adapter import TQDataPlane
+from snapformat import verify_snapshot
+
+
+def _to_torch(value: Any, n: int) -> Any:
+    if isinstance(value, Ragged):
+        return torch.nested.nested_tensor([torch.from_numpy(np.asarray(r)) for r in value.rows], layout=torch.jagged)
+    if isinstance(value, Objects):
+        return NonTensorStack(*value.values)
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.from_numpy(np.asarray(value))
+
+
+def _raw(t: torch.Tensor) -> tuple:
+    dtype = str(t.dtype).removeprefix("torch.")
+    flat = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return norm_tensor(dtype, tuple(t.shape), flat.numpy().tobytes())
+
+
+class TQHarness(Harness):
+    """Puts and reads through TQ's own KV API (not through the adapter)."""
+
+    def __init__(self, plane: TQDataPlane) -> None:
+        self.plane = plane
+        self.client = tq.get_client()
+
+    def put(self, partition_id, keys, fields=None, tags=None) -> None:
+        td = None
+        if fields:
+            td = TensorDict({k: _to_torch(v, len(keys)) for k, v in fields.items()}, batch_size=[len(keys)])
+        tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=td, tags=tags)
+
+    def delete(self, partition_id, keys) -> None:
+        tq.kv_clear(keys=keys, partition_id=partition_id)
+
+    def contents(self) -> dict[str, Any]:
+        out = {}
+        for pid, key_tags in tq.kv_list().items():
+            keys = list(key_tags)
+            if not keys:
+                out[pid] = {"keys": [], "tags": {}, "rows": {}, "layout": {}}
+                continue
+            gis = self.client.kv_retrieve_meta(keys=keys, partition_id=pid).global_indexes
+            schema = self.client._run_coroutine(self.client._get_partition_meta(pid)).field_schema
+            has = {}
+            for name in schema:
+                gi, st = self.client.get_production_status(data_fields=[name], partition_id=pid)
+                status = dict(zip(gi.tolist(), st[:, 0].tolist()))
+                has[name] = [status[g] == 1 for g in gis]
+            rows: dict[str, dict] = {k: {} for k in keys}
+            for sig in {tuple(has[n][i] for n in sorted(schema)) for i in range(len(keys))}:
+                names = [n for n, on in zip(sorted(schema), sig) if on]
+                sel = [k for i, k in enumerate(keys) if tuple(has[n][i] for n in sorted(schema)) == sig]
+                if not names:
+                    continue
+                td = tq.kv_batch_get(keys=sel, partition_id=pid, select_fields=names)
+                for name in names:
+                    v = td.get(name)
+                    if isinstance(v, torch.Tensor):
+                        per_row = v.unbind() if v.is_nested else [v[i] for i in range(len(sel))]
+                        for k, t in zip(sel, per_row):
+                            rows[k][name] = _raw(t)
+                    else:
+                        for k, obj in zip(sel, v.tolist()):
+                            rows[k][name] = norm_object(obj)
+            held = {n for r in rows.values() for n in r}
+            layout = {n: (str(s["dtype"]).removeprefix("torch.") if s["dtype"] is not None else None,
+                          bool(s["is_nested"])) for n, s in schema.items() if n in held}
+            out[pid] = {"keys": keys, "tags": {k: key_tags[k] for k in keys}, "rows": rows, "layout": layout}
+        return out
+
+
+@pytest.fixture
+def tq_plane(tq_runtime) -> TQDataPlane:
+    plane = TQDataPlane(token_capture_partitions={TOKEN_PARTITION})
+    plane.clear()
+    yield plane
+    plane.clear()
+
+
+class TestTQContract(DataPlaneContract):
+    @pytest.fixture
+    def harness(self, tq_plane: TQDataPlane) -> TQHarness:
+        return TQHarness(tq_plane)
+
+
+def test_torch_only_dtypes_and_dense_layout_round_trip(tq_plane: TQDataPlane, tmp_path: Path) -> None:
+    h = TQHarness(tq_plane)
+    n = 5
+    g = torch.Generator().manual_seed(0)
+    fields = {
+        "input_ids": Ragged([np.arange(k + 1, dtype=np.int32) for k in range(n)]),
+        "input_lengths": np.arange(1, n + 1, dtype=np.int32),
+        "sample_mask": torch.rand(n, generator=g).to(torch.bfloat16),
+        "ref_logprobs_bf16": torch.nested.nested_tensor(
+            [torch.randn(k + 2, generator=g).to(torch.bfloat16) for k in range(n)], layout=torch.jagged),
+        "dense_f16": torch.randn(n, 3, generator=g).to(torch.float16),
+        "dense_3d": torch.arange(n * 2 * 3, dtype=torch.int64).reshape(n, 2, 3),
+    }
+    h.put("train", [f"k{i}" for i in range(n)], fields, training_tags(n))
+    before = h.contents()
+    assert before["train"]["layout"]["dense_3d"] == ("int64", False)
+    assert before["train"]["layout"]["ref_logprobs_bf16"] == ("bfloat16", True)
+    cut = tq_plane.cut()
+    snap, _ = publish_cut(tq_plane, cut, tmp_path / "s")
+    assert verify_snapshot(snap).ok
+    table = snap.read_table("training")
+    # bfloat16 is stored as its exact float32 value, so readers see numbers, not bit patterns.
+    assert table.column("sample_mask").to_pylist() == fields["sample_mask"].float().tolist()
+    tq_plane.clear()
+    tq_plane.load(snap, "tq")
+    assert h.contents() == before
+
+
+def test_cut_refuses_rows_changing_underneath(tq_plane: TQDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    h = TQHarness(tq_plane)
+    h.put("train", ["a"], {"input_lengths": np.array([1], np.int32)}, training_tags(1))
+    real = tq_adapter._TQ.list
+    calls = {"n": 0}
+
+    def racing_list(self):
+        calls["n"] += 1
+        if calls["n"] == 2:  # a producer ignoring the barrier, between the first listing and the check
+            h.put("train", ["late"], {"input_lengths": np.array([2], np.int32)}, training_tags(1, 1))
+        return real(self)
+
+    monkeypatch.setattr(tq_adapter._TQ, "list", racing_list)
+    with pytest.raises(DataPlaneChangedError):
+        tq_plane.cut()
+
+
+def test_chunked_get_and_put_give_the_same_rows(tq_runtime, tmp_path: Path) -> None:
+    plane = TQDataPlane(chunk_rows=3)
+    plane.clear()
+    try:
+        h = TQHarness(plane)
+        rng = np.random.default_rng(7)
+        n = 10
+        h.put("train", [f"k{i}" for i in range(n)], {
+            "input_ids": Ragged([rng.integers(0, 9, rng.integers(1, 6)).astype(np.int64) for _ in range(n)]),
+            "input_lengths": np.arange(n, dtype=np.int32),
+            "note": Objects([{"i": i} for i in range(n)]),
+        }, training_tags(n))
+        before = h.contents()
+        cut = plane.cut()
+        snap, _ = publish_cut(plane, cut, tmp_path / "s")
+        plane.clear()
+        plane.load(snap, "tq")
+        assert h.contents() == before
+        assert plane.cut().tables["training_rows"].equals(cut.tables["training_rows"], check_metadata=True)
+    finally:
+        plane.clear()
+
+
+def test_ray_and_tq_listen_on_loopback_only(tq_runtime) -> None:
+    ours = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)} | {os.getpid()}
+    out = subprocess.run(["ss", "-H", "-tlnp"], capture_output=True, text=True, check=True).stdout
+    seen = 0
+    for line in out.splitlines():
+        pids = {int(x) for x in __import__("re").findall(r"pid=(\d+)", line)}
+        if not pids & ours:
+            continue
+        seen += 1
+        local = line.split()[3]
+        host = local.rsplit(":", 1)[0]
+        assert host in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"), line
+    assert seen >= 3  # gcs, raylet, TQ's controller and storage unit at least
+    assert json.dumps(tq_runtime.seconds)  # timings are recorded
