@@ -156,12 +156,12 @@ class ControlPlane:
 
     async def commit(self, req: CommitRequest) -> tuple[int, bytes]:
         async with self._lock:
-            if cached := self._answers.get(("commit", req.checkpoint_id)):
+            if (cached := self._answers.get(("commit", req.checkpoint_id))) and self.checkpoint_id == req.checkpoint_id:
                 return cached
             self._fence(req.checkpoint_id, req.deadline, ("prepared",))
-            check_relative_path(req.part_prefix, where="part_prefix")
-            if req.part_prefix != self.prefix:
+            if req.part_prefix != self.prefix:  # first: an unsafe prefix is a bad request too, not a bad record
                 raise self._refuse(400, "bad_request", f"part_prefix must be {self.prefix!r}, got {req.part_prefix!r}")
+            check_relative_path(req.part_prefix, where="part_prefix")
             await self._set_phase("committing", req.checkpoint_id)
             try:
                 part = attach_part(req.draft_url, self.prefix, writer=f"{self.caps.component}:{self.caps.name}") \
@@ -172,6 +172,8 @@ class ControlPlane:
                 receipt = part.close() if part is not None else None
             except BaseException as exc:
                 await self._set_phase("prepared", req.checkpoint_id)
+                if isinstance(exc, ControlRefused):  # the participant refused: say the phase it is back in
+                    raise ControlRefused(exc.status, exc.body.error, exc.body.reason, "prepared", req.checkpoint_id) from None
                 if isinstance(exc, TimeoutError):
                     raise self._refuse(409, "deadline_passed", "commit did not finish before the deadline") from None
                 if isinstance(exc, SnapshotError):
@@ -194,8 +196,8 @@ class ControlPlane:
             self._fence(req.checkpoint_id, None, allowed)  # no deadline check: resuming late is still right
             if self._draining is not None and not self._draining.done():
                 self._draining.cancel()  # a prepare still draining is abandoned
-            if self.phase == "failed_restore":
-                await self.participant.reset()
+            if self.phase == "failed_restore" or (op == "abort" and self.phase == "restored_paused"):
+                await self.participant.reset()  # an aborted restore keeps nothing it loaded
             else:
                 await self.participant.resume()
             self._end(req.checkpoint_id)
@@ -206,7 +208,7 @@ class ControlPlane:
 
     async def restore(self, req: RestoreRequest) -> tuple[int, bytes]:
         async with self._lock:
-            if cached := self._answers.get(("restore", req.checkpoint_id)):
+            if (cached := self._answers.get(("restore", req.checkpoint_id))) and self.checkpoint_id == req.checkpoint_id:
                 return cached
             self._fence(req.checkpoint_id, req.deadline, ("idle",))
             if req.part_prefix != self.prefix:
@@ -229,13 +231,17 @@ class ControlPlane:
             except (SnapshotError, ControlRefused) as exc:
                 if isinstance(exc, ControlRefused) and exc.status >= 500:
                     await self._set_phase("failed_restore", req.checkpoint_id)
-                    raise
-                # The participant refused what it read (bad record, corrupt part): drop anything
-                # half-loaded and stay idle, so the caller needs no abort to try another snapshot.
+                    raise ControlRefused(exc.status, exc.body.error, exc.body.reason, "failed_restore",
+                                         req.checkpoint_id) from None
+                # A refusal (4xx) is the participant's promise that it changed nothing: stay idle
+                # without touching its state (it may hold live rollouts). A library error while
+                # reading may have left something half-loaded: drop it, then stay idle. Either way
+                # the caller needs no abort to try another snapshot.
+                if isinstance(exc, ControlRefused):
+                    await self._set_phase("idle", None)
+                    raise ControlRefused(exc.status, exc.body.error, exc.body.reason, "idle", req.checkpoint_id) from None
                 await self.participant.reset()
                 await self._set_phase("idle", None)
-                if isinstance(exc, ControlRefused):
-                    raise ControlRefused(exc.status, exc.body.error, exc.body.reason, "idle", req.checkpoint_id) from None
                 raise self._refuse(400, "invalid_record", f"restore refused: {type(exc).__name__}: {exc}",
                                    req.checkpoint_id) from None
             except BaseException as exc:
@@ -264,7 +270,8 @@ class ControlPlane:
         async with self._lock:
             if self.caps.component != "agent":
                 raise self._refuse(404, "bad_request", "discard is an agent route")
-            if cached := self._answers.get((f"discard:{msgspec.json.encode(req.rollouts).decode()}", req.checkpoint_id)):
+            if (cached := self._answers.get((f"discard:{msgspec.json.encode(req.rollouts).decode()}", req.checkpoint_id))) \
+                    and self.checkpoint_id == req.checkpoint_id:
                 return cached
             self._fence(req.checkpoint_id, req.deadline, ("restored_paused",))
             unknown = self.participant.unknown_rollouts(req.rollouts)
@@ -306,6 +313,11 @@ class ControlPlane:
             except SnapshotError as exc:
                 err = ControlError(error="invalid_record", reason=str(exc), phase=self.phase, checkpoint_id=self.checkpoint_id)  # type: ignore[arg-type]
                 return Response(msgspec.json.encode(err), status_code=400, media_type="application/json")
+            except Exception as exc:  # a participant's bug: still a ControlError body, never a bare 500
+                log.exception("control call failed")
+                err = ControlError(error="internal", reason=f"{type(exc).__name__}: {exc}", phase=self.phase,  # type: ignore[arg-type]
+                                   checkpoint_id=self.checkpoint_id)
+                return Response(msgspec.json.encode(err), status_code=500, media_type="application/json")
             return Response(payload, status_code=status, media_type="application/json")
 
         async def run(request: Request, typ: Any, op) -> Response:
@@ -322,9 +334,14 @@ class ControlPlane:
             return await answer(go())
 
         @r.get("/status")
-        async def status(request: Request, checkpoint_id: str | None = None, wait_s: float = 0.0) -> Response:
+        async def status(request: Request) -> Response:
             async def go():
-                self.check_token(request)
+                self.check_token(request)  # before the query is parsed: a bad query needs the token too
+                checkpoint_id = request.query_params.get("checkpoint_id")
+                try:
+                    wait_s = float(request.query_params.get("wait_s", "0"))
+                except ValueError:
+                    raise ControlRefused(400, "bad_request", "wait_s must be a number of seconds") from None
                 if checkpoint_id and wait_s > 0:
                     return 200, msgspec.json.encode(await self.wait_prepared(checkpoint_id, wait_s))
                 return 200, msgspec.json.encode(self.status())

@@ -40,7 +40,11 @@ class Participant(abc.ABC):
     async def resume(self) -> None: ...
 
     async def reset(self) -> None:
-        """After a failed restore: drop whatever was half-loaded and start empty."""
+        """After a failed or aborted restore: drop whatever was loaded and start empty.
+
+        The default resumes, which is right only for a server that loads nothing it keeps (or whose
+        restore changes nothing until it succeeds and which is never aborted after that).
+        """
         await self.resume()
 
     async def acknowledge(self, results: list[RolloutRef]) -> dict[str, Any]:

@@ -173,6 +173,15 @@ class AgentParticipant(Participant):
     async def resume(self) -> None:
         self._gate.set()
 
+    async def reset(self) -> None:
+        """An aborted restore: cancel the restored rollouts (still waiting at the gate) and forget
+        them (restore only runs on a server without rollouts)."""
+        for r in self.rollouts.values():
+            if r.task is not None:
+                r.task.cancel()
+        self.rollouts = {}
+        self._gate.set()
+
     async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
         assert part is not None and self._busy == 0, "commit runs only while every rollout is parked"
         rollouts = sorted(self.rollouts.values(), key=lambda r: r.rollout_id)

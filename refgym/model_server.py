@@ -84,6 +84,10 @@ class ModelParticipant(Participant):
     async def resume(self) -> None:
         """Nothing to undo: admission opens when the kit's phase returns to idle."""
 
+    async def reset(self) -> None:
+        """An aborted restore: forget the loaded ledger (restore only runs on an empty server)."""
+        self.calls, self.closed_attempts = {}, {}
+
     async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
         assert part is not None
         continuations = self._continuations(context)

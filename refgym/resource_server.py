@@ -71,6 +71,10 @@ class ResourceParticipant(Participant):
     async def resume(self) -> None:
         """Nothing to undo: calls are admitted again once the kit's phase is idle."""
 
+    async def reset(self) -> None:
+        """An aborted restore: forget the loaded sessions (restore only runs on an empty server)."""
+        self.sessions = {}
+
     async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
         assert part is not None
         records = [

@@ -7,10 +7,13 @@ A generated block sits between two HTML comments and is replaced whole::
     <!-- END GENERATED record:FileEntry -->
 
 Block names: ``record:<Struct>`` (field table from ``msgspec.inspect`` plus a JSON example built
-from the struct, so it always decodes), ``columns:<row kind>`` (from the Arrow schemas in
+from the struct, so it always decodes), ``message:<Struct>`` (the same for the checkpoint control
+protocol's messages, ``schemas/control.py``), ``columns:<row kind>`` (from the Arrow schemas in
 ``schemas/rows.py``), ``kinds`` (every ``FileKind``), ``constants`` and ``vectors`` (values
-computed by the code). Only the "meaning" column is written here by hand; a struct field or a
-column without a meaning fails the run, so a new field cannot reach the spec undocumented.
+computed by the code), and ``control:<what>`` (the control protocol's routes, phases, error codes,
+constants and topology vector). Only the "meaning" column is written here by hand; a struct field,
+a column, a phase, an error code or a route without a meaning fails the run, so none of them can
+reach the spec undocumented (routes are also checked against the ones ``gymkit`` registers).
 
     python spec/render_spec_schemas.py          # rewrite spec/SPEC.md in place
     python spec/render_spec_schemas.py --check  # exit 1 if SPEC.md is out of date
@@ -26,11 +29,20 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import msgspec.inspect as mi
-import pyarrow as pa
+# Run as a script, this folder comes first on sys.path, and its ``schemas/`` (the exported JSON
+# Schemas, with a ``control/`` folder) would shadow the ``schemas`` package: put the repo root first.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from schemas import identity, version
+import msgspec  # noqa: E402
+import msgspec.inspect as mi  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from schemas import control, identity, version  # noqa: E402
+from schemas.control import (
+    AcknowledgeRequest, Capabilities, CommitRequest, CommitResponse, Concurrency, ControlError, ControlRequest,
+    DiscardRequest, PhaseResponse, RestoreRequest, RestoreResponse, RolloutRef,
+)
 from schemas.controller import AckOwed, LoaderPlace, PromptGroup, ReplayIndexEntry, RolloutAttempt
 from schemas.gym_records import (
     AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
@@ -40,7 +52,8 @@ from schemas.manifest import (
     ParticipantCommit, PartReceipt, StoreMarker,
 )
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
-from schemas.topology import topology_fingerprint
+from schemas.jsonschema import CONTROL_MESSAGES
+from schemas.topology import canonical_json, topology_fingerprint
 from snapformat import jsonl, layout, reader, retention
 from snapformat.checksum import checksum_bytes
 from snapformat.kinds import RECORD_TYPES, storage_of
@@ -211,9 +224,129 @@ MEANINGS: dict[str, dict[str, str]] = {
         "schema_version": _SV,
         "rollout_id": "The rollout whose finished result is stored.",
         "attempt_index": "The run that produced it.",
-        "result_key": "The result's key in the data plane. Its acknowledgement to Gym is not confirmed yet, so the controller sends it again after a restore (Gym answers a repeated acknowledgement idempotently).",
+        "result_key": "The result's key in the data plane. Its acknowledgement to Gym is not confirmed yet, so the controller sends it again after a restore, in a call of its own; an agent that no longer holds the result answers 404 `unknown_rollout`, which means it was acknowledged already (§20.4).",
     },
 }
+
+_CID = "The checkpoint this call belongs to (fencing, §20.5): one id per save, a fresh one per restore."
+_DEADLINE = ("Absolute deadline, unix seconds (> 0). A call received at or after it is refused with 409 "
+             "`deadline_passed`; work that outlasts it is cut short (§20.5).")
+
+MEANINGS.update({
+    "Capabilities": {
+        "schema_version": "Version of the control protocol the server speaks; 1 here. A coordinator refuses a server with a version it does not know.",
+        "component": "What kind of Gym server this is: `model` (policy model server), `agent` or `resource`.",
+        "name": "The server's name, a safe name unique among the servers of its component; its part prefix is `gym/<component>/<name>`.",
+        "checkpoint_mode": "`export_restore`: the server writes a part at commit and loads it at restore. `stateless`: it only pauses and resumes; its commit answers `part: null` and its restore loads nothing.",
+        "admission": "Live: whether the server admits new work now (`accepting` in `idle`, `draining` in `preparing`, `paused` in every other phase). Not part of the contract.",
+        "phase": "Live: the server's phase (§20.3). Not part of the contract.",
+        "concurrency": "How the server runs its work (see `Concurrency`); part of the contract.",
+        "restart_only_resources": "Resource kinds whose state the server cannot export (e.g. a live sandbox process): their sessions are not saved, and a rollout that used one starts over after a restore. Empty for models and agents.",
+    },
+    "Concurrency": {
+        "max_in_flight": "Most work calls (model calls, tool calls, turns) the server runs at once; 0 means unbounded. Informative for the coordinator's deadlines.",
+        "multi_process": "`single`: one process holds all of the server's state. `shared_state`: several processes serve one state behind one address; the server still answers every control call as one server, pausing all of them, and writes one part.",
+    },
+    "ControlRequest": {
+        "checkpoint_id": _CID,
+        "deadline": _DEADLINE + " Not checked by resume and abort.",
+    },
+    "CommitRequest": {
+        "checkpoint_id": _CID,
+        "deadline": _DEADLINE,
+        "draft_url": "Location of the unpublished snapshot (the draft), `<store>/snapshots/<snapshot_id>` (a local path or `s3://bucket/prefix/snapshots/<snapshot_id>`). The server writes its part into it and nowhere else.",
+        "part_prefix": "The prefix to write under; MUST be exactly `gym/<component>/<name>` of this server, or the call is refused (400 `bad_request`).",
+        "continuations": "Model commits only: the part receipts of every agent's commit of this checkpoint, so the model writes the ledger of exactly the turns the agents' continuation indexes name. Empty for agents and resources, which ignore it.",
+    },
+    "CommitResponse": {
+        "checkpoint_id": "The checkpoint committed.",
+        "phase": "`committed_paused`.",
+        "part": "The receipt of the part the server wrote and closed (its prefix, writer label `<component>:<name>` and part manifest checksum); null for a stateless server.",
+        "payload": "The server's commit payload (a small JSON object); the coordinator copies it verbatim into the manifest's `ParticipantCommit.payload`.",
+    },
+    "RestoreRequest": {
+        "checkpoint_id": "The restore's own id (fresh, never used before); resume and discard after the restore carry it.",
+        "deadline": _DEADLINE,
+        "snapshot_url": "Location of a published snapshot, `<store>/snapshots/<snapshot_id>`; it is opened through its commit record (§15.3, §15.4).",
+        "saved_checkpoint_id": "The checkpoint id the snapshot was saved under (its manifest's `gym_commit.checkpoint_id`); a snapshot whose Gym commit names another id is refused (400 `bad_request`).",
+        "part_prefix": "The prefix to read; MUST be exactly `gym/<component>/<name>` of this server.",
+        "topology_fingerprint": "The running topology's fingerprint (§20.2), computed by the coordinator; the server refuses a snapshot with another fingerprint (409 `topology_mismatch`).",
+    },
+    "RestoreResponse": {
+        "checkpoint_id": "The restore's id.",
+        "phase": "`restored_paused`.",
+        "payload": "What the server loaded (a JSON object). The agent lists the restored continuations and the finished results not yet acknowledged (§20.6); informative for the others.",
+    },
+    "RolloutRef": {
+        "rollout_id": "The rollout (Gym's rollout id rule).",
+        "attempt_index": "The run of the rollout meant: for acknowledge the run that finished, for discard the new run n+1 the restore set up.",
+    },
+    "AcknowledgeRequest": {
+        "results": "Finished results the controller has stored durably, which the agent may now forget (at most 100,000 per call).",
+    },
+    "DiscardRequest": {
+        "checkpoint_id": "The restore's id.",
+        "deadline": _DEADLINE,
+        "rollouts": "Restored continuations to throw away (at most 100,000): each of these rollouts starts over from its first turn.",
+    },
+    "PhaseResponse": {
+        "checkpoint_id": "The checkpoint in progress, or null in `idle`.",
+        "phase": "The server's phase after the call.",
+        "admission": "`accepting`, `draining` or `paused` (as in `Capabilities`).",
+        "in_flight": "Work still running (model calls, turns inside an agent, tool calls); 0 once prepared.",
+        "detail": "Server-specific information (informative).",
+    },
+    "ControlError": {
+        "error": "The machine-readable reason (§20.7).",
+        "reason": "A sentence for people; it names what was wrong (both fingerprints for a topology mismatch, the checkpoint in progress for a conflict). It never contains the token.",
+        "phase": "The server's phase after the refusal; null when the call was refused before its body was decoded (401, 413, malformed body).",
+        "checkpoint_id": "The checkpoint id the refused call named, else the one in progress; null when neither is known.",
+    },
+})
+
+#: What each phase means, and the admission it implies (checked against ``schemas.control.Phase``).
+PHASE_MEANINGS: dict[str, tuple[str, str]] = {
+    "idle": ("accepting", "No checkpoint in progress; the server does its normal work."),
+    "preparing": ("draining", "Prepare was called: no new work is admitted and the server is getting to a quiet point (model: 0 calls in flight; agent: every rollout parked at a turn end; resource: sessions frozen)."),
+    "prepared": ("paused", "Quiet point reached: nothing runs and nothing changes until commit, resume or abort."),
+    "committing": ("paused", "Writing its part into the draft."),
+    "committed_paused": ("paused", "Its part is written and closed; still paused until resume (or abort)."),
+    "restoring": ("paused", "Loading its part of a published snapshot."),
+    "restored_paused": ("paused", "Its part is loaded; still paused until resume (agents: discard may be called now)."),
+    "failed_restore": ("paused", "A restore failed after it began changing the server's state; only abort is accepted, and it returns the server to `idle` empty."),
+}
+
+#: Each error code: the HTTP statuses it comes with, and what it means (checked against ``ControlError.error``).
+ERROR_MEANINGS: dict[str, tuple[str, str]] = {
+    "unauthorized": ("401", "No `Authorization: Bearer <token>` header, another scheme, or a wrong token. Checked before anything else."),
+    "bad_request": ("400, 404", "400: the body is not JSON, not the route's request struct (missing or unknown field, wrong type, a value outside its limits), `wait_s` is not a number, `part_prefix` is not this server's, the snapshot cannot be opened, or it was saved under another checkpoint id, or a model commit's receipt is not an agent part. 404: an agent route called on a server that is not an agent."),
+    "too_large": ("413", "The body exceeds 1 MiB; it is refused before it is decoded."),
+    "wrong_phase": ("409", "The call is not allowed in the server's phase (the reason lists the phases that allow it), or a restore was sent to a server that already holds state it would replace."),
+    "conflicting_checkpoint": ("409", "Another checkpoint is in progress; the reason names it."),
+    "stale_checkpoint": ("409", "The checkpoint already ended (resumed or aborted), or it was aborted while its prepare was draining."),
+    "deadline_passed": ("409", "The deadline had passed when the call arrived, or prepare or commit could not finish before it."),
+    "unknown_rollout": ("404", "Acknowledge or discard named a rollout run the agent does not hold as a finished result (acknowledge) or as a restored continuation (discard); nothing was changed."),
+    "invalid_record": ("400, 409", "A record the server read breaks the format or Gym's rules (400; a restore that refuses its part returns the server to `idle`), or a continuation a model commit was given names a model call the server never served (409)."),
+    "topology_mismatch": ("409", "The snapshot was taken by another topology than the running one; the reason names both fingerprints."),
+    "internal": ("500", "The server failed (writing its part, reading the agent parts a model commit was given, loading its part, or a bug). After a failed commit it is back in `prepared`; after a failed restore it is in `failed_restore`."),
+}
+
+#: Every control route: (method, path under the base path, request, success response, phases, what it does).
+#: Checked against the routes ``gymkit`` registers.
+ROUTES: list[tuple[str, str, str, str, str, str]] = [
+    ("GET", "/capabilities", "", "Capabilities", "any", "Who the server is, what it can do, and its live phase and admission."),
+    ("GET", "/status", "query `checkpoint_id`, `wait_s` (optional)", "PhaseResponse", "any", "The phase now; with both query values, a long poll that answers once that checkpoint is prepared or further (or after `min(wait_s, 60)` s)."),
+    ("POST", "/prepare", "ControlRequest", "PhaseResponse", "`idle`; `preparing` (same id)", "Stop admitting work and get to a quiet point; answers when there (`prepared`)."),
+    ("POST", "/commit", "CommitRequest", "CommitResponse", "`prepared`", "Write this server's part into the draft, close it, answer its receipt."),
+    ("POST", "/restore", "RestoreRequest", "RestoreResponse", "`idle`", "Load this server's part of a published snapshot and stay paused."),
+    ("POST", "/resume", "ControlRequest", "PhaseResponse", "`preparing`, `prepared`, `committing`, `committed_paused`, `restored_paused`", "End the checkpoint: admit work again (`idle`)."),
+    ("POST", "/abort", "ControlRequest", "PhaseResponse", "as resume, and `failed_restore`", "End the checkpoint without keeping anything it was for: as resume, except that an aborted restore drops what it loaded."),
+    ("POST", "/agent/acknowledge", "AcknowledgeRequest", "JSON object", "any (agents only)", "Forget finished results the controller stored (all or nothing)."),
+    ("POST", "/agent/discard", "DiscardRequest", "JSON object", "`restored_paused` (agents only)", "Make restored continuations start over (all or nothing)."),
+    ("POST", "/admission/pause", "ControlRequest", "PhaseResponse", "as prepare", "The model server's name for prepare: pause admission, wait for 0 calls in flight."),
+    ("POST", "/admission/resume", "ControlRequest", "PhaseResponse", "as resume", "The model server's name for resume."),
+    ("POST", "/admission/abort", "ControlRequest", "PhaseResponse", "as abort", "The model server's name for abort."),
+]
 
 COLUMN_MEANINGS: dict[str, dict[str, str]] = {
     "training_rows": {
@@ -280,6 +413,10 @@ def _ck(text: str) -> str:
 
 
 def examples() -> dict[str, Any]:
+    return {**record_examples(), **message_examples()}
+
+
+def record_examples() -> dict[str, Any]:
     sid = "snap-0000000002-4f1c9a7e"
     files = [
         FileEntry(path="gym/model/policy0/tokens.arrow", kind="token_capture_rows", size=28714,
@@ -338,6 +475,50 @@ def examples() -> dict[str, Any]:
     }
 
 
+#: The three reference servers (``refgym``), as their capabilities describe them.
+REFERENCE_CAPABILITIES = [
+    Capabilities(component="model", name="policy0", checkpoint_mode="export_restore"),
+    Capabilities(component="agent", name="agent0", checkpoint_mode="export_restore"),
+    Capabilities(component="resource", name="tools", checkpoint_mode="export_restore", restart_only_resources=["sandbox"]),
+]
+
+
+def message_examples() -> dict[str, Any]:
+    draft = "s3://rl-snapshots/run-17/snapshots/snap-0000000002-4f1c9a7e"
+    agent_part = PartReceipt(prefix="gym/agent/agent0", writer="agent:agent0", part_manifest_checksum=_ck("agent part"))
+    model_part = PartReceipt(prefix="gym/model/policy0", writer="model:policy0", part_manifest_checksum=_ck("part"))
+    deadline = 1796000420.0
+    return {
+        "Capabilities": REFERENCE_CAPABILITIES[2],
+        "Concurrency": Concurrency(max_in_flight=64, multi_process="single"),
+        "ControlRequest": ControlRequest(checkpoint_id="ckpt-2", deadline=deadline),
+        "CommitRequest": CommitRequest(checkpoint_id="ckpt-2", deadline=deadline, draft_url=draft,
+                                       part_prefix="gym/model/policy0", continuations=[agent_part]),
+        "CommitResponse": CommitResponse(checkpoint_id="ckpt-2", phase="committed_paused", part=model_part,
+                                         payload={"calls": 24, "rollouts": 9}),
+        "RestoreRequest": RestoreRequest(
+            checkpoint_id="restore-3", deadline=deadline,
+            snapshot_url="s3://rl-snapshots/run-17/snapshots/snap-0000000002-4f1c9a7e", saved_checkpoint_id="ckpt-2",
+            part_prefix="gym/agent/agent0", topology_fingerprint=_reference_topology()),
+        "RestoreResponse": RestoreResponse(checkpoint_id="restore-3", phase="restored_paused", payload={
+            "continuations": [{"rollout_id": "p7_g2", "attempt_index": 1, "capture_key": "p7_g2-a1",
+                               "after_call": "call-2", "restart_only": []}],
+            "finished_unacked": [{"rollout_id": "p7_g1", "attempt_index": 0}]}),
+        "RolloutRef": RolloutRef(rollout_id="p7_g1", attempt_index=0),
+        "AcknowledgeRequest": AcknowledgeRequest(results=[RolloutRef(rollout_id="p7_g1", attempt_index=0)]),
+        "DiscardRequest": DiscardRequest(checkpoint_id="restore-3", deadline=deadline,
+                                         rollouts=[RolloutRef(rollout_id="p7_g3", attempt_index=1)]),
+        "PhaseResponse": PhaseResponse(checkpoint_id="ckpt-2", phase="prepared", admission="paused", in_flight=0),
+        "ControlError": ControlError(error="conflicting_checkpoint",
+                                     reason="checkpoint 'ckpt-2' is in progress; 'ckpt-3' refused",
+                                     phase="prepared", checkpoint_id="ckpt-3"),
+    }
+
+
+def _reference_topology() -> str:
+    return topology_fingerprint([c.contract() for c in REFERENCE_CAPABILITIES])
+
+
 #: Records stored one per line: their example is shown as the exact line.
 LINE_RECORDS = {
     "AgentContinuationRoot", "AgentStateRecord", "ModelLedgerEntry", "TokenIndexEntry", "SessionStateRecord",
@@ -352,6 +533,13 @@ STRUCTS: dict[str, type] = {
     "SessionStateRecord": SessionStateRecord, "LoaderPlace": LoaderPlace, "ReplayIndexEntry": ReplayIndexEntry,
     "PromptGroup": PromptGroup, "RolloutAttempt": RolloutAttempt, "AckOwed": AckOwed,
 }
+
+#: The control protocol's messages (``schemas.jsonschema.CONTROL_MESSAGES``) and the structs nested in them.
+MESSAGES: dict[str, type] = {**CONTROL_MESSAGES, "Concurrency": Concurrency, "RolloutRef": RolloutRef}
+
+
+def _struct(name: str) -> type:
+    return STRUCTS[name] if name in STRUCTS else MESSAGES[name]
 
 # --------------------------------------------------------------------------------------------
 # Rendering
@@ -380,7 +568,8 @@ def render_type(t: Any) -> str:
         bits = [f"{op} {v}" for op, v in ((">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le)) if v is not None]
         return "integer" + (f" {' '.join(bits)}" if bits else "")
     if isinstance(t, mi.FloatType):
-        return "number"
+        bits = [f"{op} {v:g}" for op, v in ((">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le)) if v is not None]
+        return "number" + (f" {' '.join(bits)}" if bits else "")
     if isinstance(t, mi.BoolType):
         return "boolean"
     if isinstance(t, mi.NoneType):
@@ -412,7 +601,7 @@ def _default(field: mi.Field) -> str:
 
 
 def record_table(name: str) -> str:
-    info = mi.type_info(STRUCTS[name])
+    info = mi.type_info(_struct(name))
     meanings = MEANINGS.get(name, {})
     rows = []
     if info.tag_field is not None:
@@ -432,9 +621,9 @@ def record_table(name: str) -> str:
 
 def record_example(name: str) -> str:
     value = examples()[name]
-    assert type(value) is STRUCTS[name]
+    assert type(value) is _struct(name)
     raw = msgspec.json.encode(value)
-    msgspec.json.decode(raw, type=STRUCTS[name])  # the example is valid by construction; keep it so
+    msgspec.json.decode(raw, type=_struct(name))  # the example is valid by construction; keep it so
     text = raw.decode() if name in LINE_RECORDS else msgspec.json.format(raw, indent=2).decode()
     return f"```json\n{text}\n```"
 
@@ -540,8 +729,141 @@ def vectors_block() -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------------------------
+# The checkpoint control protocol
+# --------------------------------------------------------------------------------------------
+
+
+def _nested_structs(t: Any, seen: set[type]) -> None:
+    if isinstance(t, mi.StructType):
+        if t.cls in seen:
+            return
+        seen.add(t.cls)
+        for f in t.fields:
+            _nested_structs(f.type, seen)
+    elif isinstance(t, mi.Metadata):
+        _nested_structs(t.type, seen)
+    elif isinstance(t, mi.UnionType):
+        for m in t.types:
+            _nested_structs(m, seen)
+    elif isinstance(t, (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)):
+        _nested_structs(t.item_type, seen)
+    elif isinstance(t, mi.DictType):
+        _nested_structs(t.value_type, seen)
+
+
+def check_messages_documented() -> None:
+    """Every struct a control message contains has a table in the spec (as a message or a record)."""
+    seen: set[type] = set()
+    for typ in CONTROL_MESSAGES.values():
+        _nested_structs(mi.type_info(typ), seen)
+    missing = sorted(c.__name__ for c in seen if c.__name__ not in MESSAGES and c.__name__ not in STRUCTS)
+    if missing:
+        raise SystemExit(f"render_spec_schemas: control structs without a table: {missing}")
+
+
+def registered_routes() -> set[tuple[str, str]]:
+    """(method, path) of every route ``gymkit`` mounts, from a router built around a trivial participant."""
+    from gymkit import ControlPlane, Participant
+
+    class Trivial(Participant):
+        def capabilities(self) -> Capabilities:
+            return Capabilities(component="agent", name="trivial", checkpoint_mode="stateless")
+
+        async def prepare(self, deadline: float) -> None: ...
+        async def commit(self, part: Any, context: dict[str, Any]) -> dict[str, Any]: return {}
+        async def restore(self, snapshot: Any, prefix: str) -> dict[str, Any]: return {}
+        async def resume(self) -> None: ...
+
+    out = set()
+    for route in ControlPlane(Trivial(), "token").router().routes:
+        for method in sorted(route.methods - {"HEAD"}):  # type: ignore[attr-defined]
+            out.add((method, route.path))  # type: ignore[attr-defined]
+    return out
+
+
+def _literal_values(t: Any) -> list[str]:
+    return list(typing.get_args(t))
+
+
+def control_routes_block() -> str:
+    documented = {(m, control.CONTROL_PREFIX + p) for m, p, *_ in ROUTES}
+    registered = registered_routes()
+    if documented != registered:
+        raise SystemExit(f"render_spec_schemas: routes registered but not documented {sorted(registered - documented)}, "
+                         f"documented but not registered {sorted(documented - registered)}")
+    out = ["| method and path | request | answer (200) | phases allowed | what it does |", "|---|---|---|---|---|"]
+    for method, path, req, resp, phases, what in ROUTES:
+        for name in (req, resp):
+            if name and name[0].isupper() and name not in MESSAGES and name != "JSON object":
+                raise SystemExit(f"render_spec_schemas: route {path}: unknown message {name!r}")
+        req_cell = f"`{req}`" if req in MESSAGES else (req or "none")
+        resp_cell = f"`{resp}`" if resp in MESSAGES else resp
+        out.append(f"| `{method} {control.CONTROL_PREFIX}{path}` | {_cell(req_cell)} | {_cell(resp_cell)} | "
+                   f"{_cell(phases)} | {_cell(what)} |")
+    return "\n".join(out)
+
+
+def control_phases_block() -> str:
+    phases = _literal_values(control.Phase)
+    admissions = set(_literal_values(control.Admission))
+    if list(PHASE_MEANINGS) != phases or any(a not in admissions for a, _ in PHASE_MEANINGS.values()):
+        raise SystemExit(f"render_spec_schemas: PHASE_MEANINGS must cover exactly {phases} in order")
+    out = ["| phase | admission | meaning |", "|---|---|---|"]
+    out += [f"| `{p}` | `{a}` | {_cell(m)} |" for p, (a, m) in PHASE_MEANINGS.items()]
+    return "\n".join(out)
+
+
+def control_errors_block() -> str:
+    codes = _literal_values(typing.get_type_hints(ControlError)["error"])
+    if list(ERROR_MEANINGS) != codes:
+        raise SystemExit(f"render_spec_schemas: ERROR_MEANINGS must cover exactly {codes} in order")
+    out = ["| `error` | HTTP status | meaning |", "|---|---|---|"]
+    out += [f"| `{code}` | {status} | {_cell(m)} |" for code, (status, m) in ERROR_MEANINGS.items()]
+    return "\n".join(out)
+
+
+def _checkpoint_id_pattern() -> str:
+    t = next(f.type for f in mi.type_info(ControlRequest).fields if f.name == "checkpoint_id")
+    return t.pattern
+
+
+def control_constants_block() -> str:
+    from gymkit import control_plane
+
+    rows = [
+        ("base path", f"`{control.CONTROL_PREFIX}`", "`CONTROL_PREFIX`"),
+        ("protocol version (`Capabilities.schema_version`)", str(control.CONTROL_SCHEMA_VERSION), "`CONTROL_SCHEMA_VERSION`"),
+        ("largest request body", f"{control.MAX_BODY_BYTES:,} bytes (1 MiB)", "`MAX_BODY_BYTES`"),
+        ("checkpoint id", f"matches `{_checkpoint_id_pattern()}`", "`CheckpointId`"),
+        ("answers and ended ids the reference remembers", f"the last {control_plane._MAX_REMEMBERED}", "`gymkit` `_MAX_REMEMBERED`"),
+        ("longest status long poll", "60 s", "`ControlPlane.wait_prepared`"),
+    ]
+    out = ["| constant | value | in the code |", "|---|---|---|"]
+    out += [f"| {a} | {_cell(b)} | {c} |" for a, b, c in rows]
+    return "\n".join(out)
+
+
+def control_topology_block() -> str:
+    contracts = [c.contract() for c in REFERENCE_CAPABILITIES]
+    ordered = sorted(contracts, key=lambda c: (c["component"], c["name"]))
+    out = ["| input | value |", "|---|---|",
+           f"| topology fingerprint of the reference servers (`model/policy0`, `agent/agent0`, `resource/tools` "
+           f"with restart-only `sandbox`) | `{topology_fingerprint(contracts)}` |",
+           "", "Their contracts, in canonical form (these exact bytes are hashed):", "",
+           "```json", canonical_json(ordered).decode(), "```"]
+    return "\n".join(out)
+
+
 def blocks() -> dict[str, str]:
+    check_messages_documented()
     out = {f"record:{name}": record_block(name) for name in STRUCTS}
+    out.update({f"message:{name}": record_block(name) for name in MESSAGES})
+    out["control:routes"] = control_routes_block()
+    out["control:phases"] = control_phases_block()
+    out["control:errors"] = control_errors_block()
+    out["control:constants"] = control_constants_block()
+    out["control:topology"] = control_topology_block()
     out["columns:training_rows"] = columns_block("training_rows")
     out["columns:token_capture_rows"] = columns_block("token_capture_rows")
     out["kinds"] = kinds_block()

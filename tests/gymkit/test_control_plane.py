@@ -61,6 +61,10 @@ class FakeAgent(Participant):
     async def resume(self) -> None:
         self.resumed += 1
 
+    async def reset(self) -> None:
+        self.restored = []
+        self.resets = getattr(self, "resets", 0) + 1
+
     def unknown_rollouts(self, results: list[RolloutRef]) -> list[RolloutRef]:
         return [r for r in results if (r.rollout_id, r.attempt_index) not in self.finished]
 
@@ -207,3 +211,23 @@ def test_restore_refuses_another_topology_naming_both(client: TestClient, tmp_pa
     assert r.status_code == 409 and r.json()["error"] == "topology_mismatch"
     assert saved in r.json()["reason"] and running in r.json()["reason"]
     assert client.get(CONTROL_PREFIX + "/status", headers=AUTH).json()["phase"] == "idle"
+
+
+def test_abort_after_restore_drops_what_was_loaded(client: TestClient, agent: FakeAgent, tmp_path) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    draft = store.begin()
+    post(client, "/prepare", ctl("c1"))
+    body = post(client, "/commit", {**ctl("c1"), "draft_url": draft.url, "part_prefix": "gym/agent/agent0"}).json()
+    receipt = msgspec.convert(body["part"], type=__import__("schemas").manifest.PartReceipt)
+    fp = "sha256:" + "0" * 64
+    published = draft.publish(receipts=[receipt], gym_commit=GymCommit(checkpoint_id="c1"), topology_fingerprint=fp)
+    post(client, "/resume", ctl("c1"))
+    restore = {**ctl("r1"), "snapshot_url": published.url, "saved_checkpoint_id": "c1",
+               "part_prefix": "gym/agent/agent0", "topology_fingerprint": fp}
+    wrong_saved = post(client, "/restore", {**restore, "saved_checkpoint_id": "c9"})
+    assert wrong_saved.status_code == 400 and "'c1'" in wrong_saved.json()["reason"]
+    assert post(client, "/restore", restore).status_code == 200 and agent.restored == ["r1", "r2"]
+    resumed_before = agent.resumed
+    r = post(client, "/abort", ctl("r1"))
+    assert r.status_code == 200 and r.json()["phase"] == "idle"
+    assert agent.restored == [] and agent.resets == 1 and agent.resumed == resumed_before
