@@ -110,7 +110,11 @@ def test_random_sigkill_while_writing_and_publishing(tmp_path: Path) -> None:
         seqs = _check_listed(path)
         if previous_newest not in seqs:  # retention may drop it only once two newer ones are durable
             assert len([s for s in seqs if s > previous_newest]) >= 2, (run, previous_newest, seqs)
-        steps = [line.split() for line in out.splitlines()]  # after "ready": "<step> <seq>" lines
+        # After "ready": "<step> <seq>" lines. Only newline-terminated lines of that shape count:
+        # a kill can cut the last line short, and anything else printed is not a step.
+        steps = [parts for line in out.split("\n")[:-1]
+                 if len(parts := line.split()) == 2 and parts[0] in ("writing", "publishing", "published")
+                 and parts[1].isdigit()]
         reported = [int(seq) for step, seq in steps if step == "published"]
         if reported:  # keep_latest=2 keeps it until the writer has published two more
             assert reported[-1] in seqs, (run, reported, seqs)
