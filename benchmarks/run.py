@@ -49,10 +49,19 @@ def _s3_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[s
     return s3_bench.markdown(result), result
 
 
+def _gym_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import gym_bench
+
+    counts = gym_bench.QUICK_COUNTS if opts.quick else gym_bench.FULL_COUNTS
+    result = gym_bench.run(counts, opts.quick, log=say, workdir=opts.scratch)
+    return gym_bench.markdown(result), result
+
+
 #: name -> section runner; each returns (markdown body, JSON-able data).
 SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[str, dict]]] = {
     "format": _format_section,
     "s3": _s3_section,
+    "gym": _gym_section,
 }
 
 

@@ -47,6 +47,10 @@ from refgym.parts import invalid_records_refused, part_records
 
 log = logging.getLogger("refgym.agent")
 Outcome = Literal["running", "finished", "failed"]
+#: Calls the agent has open at once (model and tools together), one per pooled connection. Rollouts
+#: beyond it wait on a semaphore: httpcore's pool rescans its whole queue and every connection on each
+#: request, so 1,000 rollouts queued there (or a large pool) stall the agent's event loop.
+MAX_OPEN_CALLS = 16
 
 
 class ToolResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,6 +160,7 @@ class AgentParticipant(Participant):
         self._busy = 0  # rollouts inside a turn
         self._quiet = asyncio.Event()
         self._quiet.set()
+        self._open_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # rollouts wait here, not in httpx's pool
 
     # -- the protocol ------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -346,8 +351,9 @@ class AgentParticipant(Participant):
         """POST; NotStarted on 503, 5xx or a transport error, RolloutFailed on any other refusal."""
         assert self.http is not None
         try:
-            resp = await self.http.post(url, content=msgspec.json.encode(body),
-                                        headers={"content-type": "application/json"})
+            async with self._open_calls:
+                resp = await self.http.post(url, content=msgspec.json.encode(body),
+                                            headers={"content-type": "application/json"})
         except httpx.TransportError as exc:
             log.info("%s unreachable (%s); will retry", url, type(exc).__name__)
             raise NotStarted() from None
@@ -418,7 +424,9 @@ def create_app(name: str, token: str, model_url: str, resource_url: str) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        participant.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
+        participant.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, connect=2.0),
+            limits=httpx.Limits(max_connections=MAX_OPEN_CALLS, max_keepalive_connections=MAX_OPEN_CALLS))
         yield
         await participant.close()
 

@@ -38,7 +38,9 @@ def build_app(args: argparse.Namespace, token: str) -> FastAPI:
 
 def bind(port: int) -> socket.socket:
     """A listening-ready socket on 127.0.0.1 (SO_REUSEADDR, so a restarted server can take its old port)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections accepted from a socket that
+    # says it is TCP; without it every keep-alive request waits ~40 ms (Nagle + delayed ACK).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, port))
     return sock
