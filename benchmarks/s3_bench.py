@@ -54,7 +54,7 @@ from schemas.version import FORMAT_VERSION
 from snapformat import SnapshotStore, discovery, jsonl, layout
 from snapformat.checksum import checksum_bytes
 from snapformat.draft import SnapshotDraft
-from snapformat.example import rollouts, token_batches
+from benchmarks.format_bench import build_rows
 from snapformat.retention import apply_retention
 from snapformat.store import s3 as s3_store
 from snapformat.testing import s3servers
@@ -96,24 +96,6 @@ def _say(msg: str) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Rows, server, clients
-
-
-def build_batches(target_bytes: int, batch_rows: int = 4096, seed: int = SEED) -> list[pa.RecordBatch]:
-    """Token-capture batches from ``snapformat.example`` until at least ``target_bytes`` in memory."""
-    probe_rs = rollouts(512, seed)
-    probe, _ = next(token_batches(probe_rs, seed, batch_rows=batch_rows))
-    per_row = probe.nbytes / probe.num_rows
-    calls_per_rollout = sum(len(r.calls) for r in probe_rs) / len(probe_rs)
-    margin = 1.1
-    while True:
-        n_rollouts = int(target_bytes / per_row / calls_per_rollout * margin) + 1
-        batches, total = [], 0
-        for batch, _placed in token_batches(rollouts(n_rollouts, seed), seed, batch_rows=batch_rows):
-            batches.append(batch)
-            total += batch.nbytes
-            if total >= target_bytes:
-                return batches
-        margin *= 1.5  # the estimate fell short (tiny sizes): start again with more rollouts
 
 
 def arrow_file_bytes(batches: list[pa.RecordBatch]) -> bytes:
@@ -490,7 +472,7 @@ def run(size_gib: float, quick: bool, log: Log | None = None) -> dict:
     load_start = [round(x, 2) for x in os.getloadavg()]
 
     t0 = time.perf_counter()
-    batches = build_batches(int(size_gib * GIB))
+    batches = build_rows(int(size_gib * GIB)).batches  # the same rows as the format section
     data = arrow_file_bytes(batches)
     rows = sum(b.num_rows for b in batches)
     build_s = time.perf_counter() - t0
