@@ -220,7 +220,6 @@ def run_race(cmd: dict[str, Any]) -> dict[str, Any]:
     n, rounds, procs = int(cmd["n"]), int(cmd["rounds"]), int(cmd["procs"])
     per_proc = n // procs
     assert per_proc * procs == n, "n must be a multiple of procs"
-    deadline = time.monotonic() + float(cmd.get("timeout", 120))
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     results_r, results_w = os.pipe()
@@ -244,6 +243,9 @@ def run_race(cmd: dict[str, Any]) -> dict[str, Any]:
         os.close(fd)
     out: dict[str, Any] = {"rounds": []}
     for _ in range(rounds):
+        # Each round gets the whole time limit: a loaded CI machine may make one round slow, and a
+        # limit shared by all rounds would then fail a later round that is merely late.
+        deadline = time.monotonic() + float(cmd.get("timeout", 120))
         ready = _read_exactly(ready_r, n, deadline)
         if len(ready) != n:
             os.write(go_w, b"x" * n)  # not all ready: nobody publishes
@@ -251,6 +253,7 @@ def run_race(cmd: dict[str, Any]) -> dict[str, Any]:
             break
         os.write(go_w, b"g" * n)  # every racer has its draft: all publish together
         out["rounds"].append([json.loads(x) for x in _read_lines(results_r, n, deadline)])
+    deadline = time.monotonic() + float(cmd.get("timeout", 120))
     for pid in pids:
         if _reap(pid, max(0.0, deadline - time.monotonic())) is None:
             os.kill(pid, signal.SIGKILL)
