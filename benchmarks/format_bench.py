@@ -174,14 +174,6 @@ def touch_payload(payload: list[dict[str, object]]) -> int:
 # File helpers
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def evict(path: Path) -> None:
     """Drop ``path``'s (clean) pages from the page cache."""
     fd = os.open(path, os.O_RDONLY)
@@ -236,7 +228,7 @@ def save_raw(path: Path, data: pa.Buffer, writeback_hints: bool = False) -> floa
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(path.parent)
+    local_store._fsync_dir(path.parent)
     return time.perf_counter() - t0
 
 
@@ -246,7 +238,7 @@ def save_pickle(path: Path, payload: list[dict[str, object]]) -> float:
         pickle.dump(payload, fh, protocol=5)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(path.parent)
+    local_store._fsync_dir(path.parent)
     return time.perf_counter() - t0
 
 

@@ -31,6 +31,7 @@ from schemas.rows import TOKEN_CAPTURE_SCHEMA
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
 from refgym import rules
+from refgym.inflight import InFlight
 from refgym.api import (
     ApiRefused, ModelCall, ModelReply, decode, health_routes, install_error_handler, paused, reply,
 )
@@ -65,21 +66,18 @@ class ModelParticipant(Participant):
         self.plane: ControlPlane | None = None
         self.calls: dict[tuple[str, str], Call] = {}  # (capture_key, model_call_id) -> call
         self.closed_attempts: dict[str, int] = {}  # rollout_id -> highest attempt closed by restore
-        self._in_flight = 0
-        self._quiet = asyncio.Event()
-        self._quiet.set()
+        self._calls = InFlight()
 
     # -- the protocol ------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         return Capabilities(component="model", name=self.name, checkpoint_mode="export_restore")
 
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._calls.count
 
     async def prepare(self, deadline: float) -> None:
         """Pause: the kit already refuses new calls (phase is not idle); wait for 0 in flight."""
-        while self._in_flight:
-            await self._quiet.wait()
+        await self._calls.quiet()
 
     async def resume(self) -> None:
         """Nothing to undo: admission opens when the kit's phase returns to idle."""
@@ -210,18 +208,12 @@ class ModelParticipant(Participant):
         if closed is not None and req.attempt_index <= closed:
             raise ApiRefused(409, "run_closed", f"run {key!r} was closed by a restore; {req.rollout_id!r} continues "
                              f"as attempt {closed + 1} or later")
-        self._in_flight += 1  # no await between the admission check and this line
-        self._quiet.clear()
-        try:
+        with self._calls.one():
             if self.slow_s:
                 await asyncio.sleep(self.slow_s)
             if (known := self.calls.get((key, req.model_call_id))) is not None:
                 return self._replay(known, req, digest)  # an identical call finished meanwhile
             call = self._record(req, key)
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._quiet.set()
         return call.reply()
 
     def _replay(self, known: Call, req: ModelCall, digest: str) -> ModelReply:

@@ -30,6 +30,7 @@ from schemas.identity import check_rollout_id
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
 from refgym import rules
+from refgym.inflight import InFlight
 from refgym.api import (
     REVISION_HEADER, ApiRefused, SessionId, ToolCall, ToolReply, decode, health_routes,
     install_error_handler, paused, reply,
@@ -52,21 +53,18 @@ class ResourceParticipant(Participant):
         self.slow_s = slow_ms / 1000
         self.plane: ControlPlane | None = None
         self.sessions: dict[tuple[str, str], Session] = {}  # (tool kind, session id) -> session
-        self._in_flight = 0
-        self._quiet = asyncio.Event()
-        self._quiet.set()
+        self._calls = InFlight()
 
     def capabilities(self) -> Capabilities:
         return Capabilities(component="resource", name=self.name, checkpoint_mode="export_restore",
                             restart_only_resources=list(rules.RESTART_ONLY_KINDS))
 
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._calls.count
 
     async def prepare(self, deadline: float) -> None:
         """Freeze: the kit already refuses new calls; wait for the admitted ones to finish."""
-        while self._in_flight:
-            await self._quiet.wait()
+        await self._calls.quiet()
 
     async def resume(self) -> None:
         """Nothing to undo: calls are admitted again once the kit's phase is idle."""
@@ -116,9 +114,7 @@ class ResourceParticipant(Participant):
             raise ApiRefused(400, "bad_request",
                              f"args of {kind} must be exactly {sorted(_ARGS[kind])}, got {sorted(req.args)}")
         self._admit(f"{kind} call")
-        self._in_flight += 1  # no await between the admission check and this line
-        self._quiet.clear()
-        try:
+        with self._calls.one():
             if self.slow_s:
                 await asyncio.sleep(self.slow_s)
             session = self.sessions.get((kind, req.session_id)) or Session(state=rules.empty_state(kind))
@@ -131,10 +127,6 @@ class ResourceParticipant(Participant):
             state, result = rules.apply_tool(kind, session.state, req.args)
             session = Session(state=state, revision=session.revision + 1)
             self.sessions[(kind, req.session_id)] = session
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._quiet.set()
         return ToolReply(resource=self.name, tool=kind, session_id=req.session_id,  # type: ignore[arg-type]
                          revision=session.revision, result=result)
 
