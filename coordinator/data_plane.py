@@ -656,6 +656,13 @@ class DataPlane(ABC):
         return TOKEN_CAPTURE if self._is_token is not None and self._is_token(partition_id) else TRAINING
 
     @abstractmethod
+    def put(self, partition_id: str, keys: Sequence[str], fields: Mapping[str, Any] | None = None,
+            tags: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Create missing keys (in order) and set their fields and tags, as TransferQueue's
+        ``kv_batch_put`` does: a numpy array ``[n, ...]`` is a dense field, :class:`Ragged` a ragged
+        one, :class:`Objects` a non-tensor one."""
+
+    @abstractmethod
     def cut(self) -> DataPlaneCut:
         """Copy every row out, consistently. Call it while producers are held at the barrier."""
 
@@ -774,7 +781,7 @@ class InMemoryDataPlane(DataPlane):
             check_json_value(dict(tag), f"partition {partition_id!r} key {keys[i]!r} tag")
         converted: dict[str, tuple[FieldSpec, list[Any]]] = {}
         for name, value in (fields or {}).items():
-            converted[name] = _rows_of(name, value, n)
+            converted[name] = rows_of(name, value, n)
         with self._lock:
             part = self._rows.setdefault(partition_id, {})
             specs = self._specs.setdefault(partition_id, {})
@@ -839,7 +846,7 @@ class InMemoryDataPlane(DataPlane):
                 part = PartitionRows(pid, keys, [json.loads(_dumps(rows[k][0])) for k in keys], specs)
                 for idx, names in group_by_presence(presence, len(keys)):
                     part.groups.append(RowGroup(idx, {
-                        name: _field_data(specs[name], [rows[keys[i]][1][name] for i in idx]) for name in names}))
+                        name: field_data(specs[name], [rows[keys[i]][1][name] for i in idx]) for name in names}))
                 parts.append(part)
             # Building Arrow copies every value: the cut shares no buffer with the live rows.
             return self._make_cut(parts, started, taken_at)
@@ -859,7 +866,7 @@ class InMemoryDataPlane(DataPlane):
                                 rows[key][1][name] = value
 
 
-def _rows_of(name: str, value: Any, n: int) -> tuple[FieldSpec, list[Any]]:
+def rows_of(name: str, value: Any, n: int) -> tuple[FieldSpec, list[Any]]:
     """A put's field as (layout, one value per row), copied."""
     where = f"field {name!r}"
     if isinstance(value, Objects):
@@ -892,7 +899,8 @@ def _dtype_name(dtype: np.dtype, where: str) -> str:
     return name
 
 
-def _field_data(spec: FieldSpec, values: list[Any]) -> FieldData:
+def field_data(spec: FieldSpec, values: list[Any]) -> FieldData:
+    """Per-row values (as :func:`rows_of` gives them) in the neutral stacked form."""
     if spec.type == "object":
         return FieldData([json.loads(_dumps(v)) for v in values])
     if spec.ndim == 0:
@@ -918,6 +926,6 @@ __all__ = [
     "DataPlane", "DataPlaneChangedError", "DataPlaneCut", "DataPlaneError", "DataPlaneNotEmptyError",
     "FieldData", "FieldSpec", "FILE_NAMES", "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows",
     "Ragged", "RowGroup", "TOKEN_CAPTURE", "TRAINING", "build_table", "check_json_value", "group_by_presence",
-    "layout_of", "parse_table", "write_cut",
+    "field_data", "layout_of", "parse_table", "rows_of", "write_cut",
 ]
 

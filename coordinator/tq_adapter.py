@@ -39,7 +39,7 @@ from tensordict.tensorclass import NonTensorData, NonTensorStack  # noqa: E402
 
 from coordinator.data_plane import (  # noqa: E402
     DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError, FieldData, FieldSpec, InvalidRecordError,
-    PartitionRows, RowGroup, group_by_presence,
+    PartitionRows, RowGroup, field_data, group_by_presence, rows_of,
 )
 
 _EMPTY_PARTITION_PROBE = "__dataplane_empty_partition_probe__"
@@ -161,6 +161,22 @@ class TQDataPlane(DataPlane):
             nested = bool(schema.get(name, {}).get("is_nested", False))
             out[name] = _from_tq(value, n, nested, where)
         return out
+
+    # ------------------------------------------------------------ put
+
+    def put(self, partition_id: str, keys: Sequence[str], fields: Any = None, tags: Any = None) -> None:
+        n = len(keys)
+        if not n or len(set(keys)) != n:
+            raise InvalidRecordError("keys must be distinct strings, at least one")
+        td = None
+        if fields:
+            converted = {}
+            for name, value in fields.items():
+                spec, values = rows_of(name, value, n)
+                converted[name] = _to_tq(spec, field_data(spec, values), n,
+                                         f"partition {partition_id!r} field {name!r}")
+            td = TensorDict(converted, batch_size=[n])
+        _TQ().put(partition_id, list(keys), td, None if tags is None else [dict(t) for t in tags])
 
     # ------------------------------------------------------------ restore etc.
 

@@ -122,12 +122,19 @@ class Rollout:
 
     def tokens(self) -> list[int]:
         """The cumulative conversation: the task prompt, then each turn's output and tool results."""
+        return self.conversation()[0]
+
+    def conversation(self) -> tuple[list[int], list[int]]:
+        """The cumulative conversation, and the length of the prompt each turn's model call saw
+        (what a trainer needs to turn a finished result into training and token-capture rows)."""
         out = rules.initial_prompt(self.rollout_id, self.seed)
+        prompt_lens = []
         for t in self.trajectory:
+            prompt_lens.append(len(out))
             out += t.generation_token_ids
             for tr in t.tool_results:
                 out += rules.tool_tokens(tr.tool, tr.result)
-        return out
+        return out, prompt_lens
 
     def state(self) -> RolloutState:
         return RolloutState(seed=self.seed, turns=self.turns, tools=list(self.tools),  # type: ignore[arg-type]
@@ -141,7 +148,9 @@ class Rollout:
              "last_committed_model_call_id": self.last_call, "restart_only": self.restart_only,
              "restored": self.restored}
         if full:
-            v |= {"trajectory": msgspec.to_builtins(self.trajectory), "turn_keys": list(self.turn_keys)}
+            tokens, prompt_lens = self.conversation()
+            v |= {"trajectory": msgspec.to_builtins(self.trajectory), "turn_keys": list(self.turn_keys),
+                  "seed": self.seed, "input_ids": tokens, "prompt_lens": prompt_lens}
         return v
 
 

@@ -1,0 +1,287 @@
+"""The Single Controller: sends rollouts to Gym, stores finished results, trains, and saves.
+
+It owns the snapshot store and the bookkeeping, and is the only producer of the data plane's rows,
+so its loop is the data plane's barrier: while the loop is in a save, no row is put and no rollout
+is sent. One pass of the loop:
+
+1. collect: read finished results from Gym, put their rows into the data plane, mark them sealed
+   (each now owes an acknowledgement), then acknowledge them;
+2. train: a finalized batch of prompt groups is claimed and applied (the trainer here is a step
+   counter: what matters to a snapshot is which samples it used);
+3. dispatch: send rollouts of the next prompts, up to ``max_in_flight`` open runs;
+4. save, when ``snapshot_attempt_interval_s`` has passed (:mod:`coordinator.save`).
+
+A failed save is logged and counted; the run goes on. ``max_consecutive_failures`` failures in a
+row stop the run with :class:`TooManyFailuresError`. Gym unreachable for ``gym_unreachable_s``
+stops it too (an operator restarts the job, which restores).
+
+:class:`SingleController` is a plain class; :func:`remote` makes it a Ray actor. It reaches Gym
+only through the NemoGym actor (:class:`GymHandle`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from coordinator.bookkeeping import Bookkeeping
+from coordinator.config import ControllerConfig
+from coordinator.data_plane import DataPlane
+from coordinator.errors import GymCallError, SaveAbortedError, TooManyFailuresError
+from coordinator.faults import CrashPlan, Steps
+from coordinator.restore import RestoreReport, restore
+from coordinator.samples import TOKEN_PARTITION, TRAIN_PARTITION, decode_results, put_results
+from coordinator.save import BackgroundWriter, SaveReport, save
+from coordinator.workload import Workload
+from snapformat.snapshot_store import SnapshotStore
+
+log = logging.getLogger("coordinator.controller")
+
+
+class GymHandle:
+    """The NemoGym actor's methods as plain blocking calls (``ray.get`` of each)."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        method = getattr(self._actor, name)
+
+        def call(*args: Any) -> Any:
+            try:
+                return ray.get(method.remote(*args))
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                raise cause from None
+
+        return call
+
+
+class RunOutcome(msgspec.Struct, kw_only=True):
+    """What a run did: for the demo's report and the tests' checks."""
+
+    done: bool
+    restored: RestoreReport | None
+    saves: list[SaveReport]
+    train_steps: int
+    rollouts_stored: int
+    seconds: float
+
+
+def make_data_plane(kind: str) -> DataPlane:
+    """``tq``: TransferQueue on this Ray cluster (attaches to the running one); ``memory``: in-process."""
+    parts = {TOKEN_PARTITION}
+    if kind == "memory":
+        from coordinator.data_plane import InMemoryDataPlane
+
+        return InMemoryDataPlane(parts)
+    if kind == "tq":
+        import transfer_queue as tq
+
+        from coordinator.tq_adapter import TQDataPlane
+
+        tq.init()  # attaches to the TransferQueue the driver started
+        return TQDataPlane(parts)
+    raise ValueError(f"data plane {kind!r} is not 'tq' or 'memory'")
+
+
+class SingleController:
+    """Owns the snapshot store at ``store_url`` and drives one run of ``workload`` through Gym."""
+
+    def __init__(self, config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, *,
+                 data_plane: str = "tq", crash_plan: CrashPlan | None = None) -> None:
+        self.config = config
+        self.store = SnapshotStore(store_url)
+        self.gym = GymHandle(gym_actor)
+        self.workload = workload
+        self.plane = make_data_plane(data_plane)
+        self.books = Bookkeeping.fresh(workload)
+        self.steps = Steps(crash_plan)
+        self.writer = BackgroundWriter(self, self._background_done)
+        self.saves: list[SaveReport] = []
+        self.fingerprint = ""
+        self.restored: RestoreReport | None = None
+        self._failures = 0
+        self._fatal: BaseException | None = None
+        self._lock = threading.Lock()  # saves' reports arrive from the writer thread
+        self._gym_down_since: float | None = None
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup(self) -> RestoreReport | None:
+        """Discover Gym's topology, then restore from the newest usable snapshot (or start fresh)."""
+        found = self.gym.discover_checkpoint_capabilities()
+        self.fingerprint = found["fingerprint"]
+        self.restored = restore(self)
+        return self.restored
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, max_seconds: float = 600.0) -> RunOutcome:
+        """Run until every prompt is trained (or ``max_seconds``); returns what happened."""
+        t0 = time.monotonic()
+        last_save = time.monotonic()
+        interval = self.config.snapshot_attempt_interval_s
+        while not self.books.done():
+            if time.monotonic() - t0 > max_seconds:
+                break
+            self._check_fatal()
+            try:
+                self.collect()
+                self.train()
+                self.dispatch()
+                self._gym_down_since = None
+            except GymCallError as exc:
+                self._gym_unreachable(exc)
+            if interval is not None and time.monotonic() - last_save >= interval:
+                self.save_now()
+                last_save = time.monotonic()
+            time.sleep(self.config.poll_interval_s)
+        self.writer.wait()
+        self._check_fatal()
+        return self.outcome(time.monotonic() - t0)
+
+    def outcome(self, seconds: float = 0.0) -> RunOutcome:
+        with self._lock:
+            saves = list(self.saves)
+        stored = sum(a.state == "sealed" for a in self.books.attempts.values())
+        return RunOutcome(done=self.books.done(), restored=self.restored, saves=saves,
+                          train_steps=self.books.train_steps, rollouts_stored=stored, seconds=round(seconds, 3))
+
+    def _gym_unreachable(self, exc: GymCallError) -> None:
+        now = time.monotonic()
+        if self._gym_down_since is None:
+            self._gym_down_since = now
+        log.warning("Gym call failed (%s); retrying", exc)
+        if now - self._gym_down_since > self.config.gym_unreachable_s:
+            raise GymCallError(f"Gym has failed every call for {self.config.gym_unreachable_s}s; last: {exc}",
+                               component=exc.component, name=exc.name, status=exc.status, error=exc.error) from exc
+        time.sleep(0.2)
+
+    # -- the loop's steps -------------------------------------------------------------------
+    def collect(self) -> int:
+        """Store finished results in the data plane (sealed, ACK owed), then acknowledge them."""
+        results = decode_results(self.gym.results())
+        fresh = [r for r in results if r.outcome == "finished" and not self.books.is_stored(r.rollout_id, r.attempt_index)]
+        for r in results:
+            if r.outcome == "failed" and not self.books.is_stored(r.rollout_id, r.attempt_index):
+                log.warning("rollout %s run %d failed in Gym: %s", r.rollout_id, r.attempt_index, r.error)
+                self.books.failed(r.rollout_id, r.attempt_index)
+        if fresh:
+            group_of = {r.rollout_id: self.books.attempts[r.rollout_id].group_id for r in fresh}
+            keys = put_results(self.plane, fresh, group_of)
+            for r, key in zip(fresh, keys):
+                self.books.sealed(r.rollout_id, r.attempt_index, key, TRAIN_PARTITION)
+        self.flush_acks()
+        return len(fresh)
+
+    def flush_acks(self) -> None:
+        """Send every acknowledgement owed; a result the agent no longer holds was acknowledged before."""
+        owed = [(a.rollout_id, a.attempt_index) for a in self.books.acks_owed.values()]
+        if not owed:
+            return
+        answer = self.gym.acknowledge(owed)
+        for rid in answer["acknowledged"] + answer["unknown"]:
+            self.books.acknowledged(rid)
+
+    def train(self) -> None:
+        while batch := self.books.claim_batch(self.config.train_batch_groups):
+            self.books.applied(batch)
+        if self.books.loader.peek() is None and self.books.finalized_order:  # the last, smaller batch
+            self.books.applied(self.books.claim_batch(len(self.books.finalized_order)))
+
+    def dispatch(self) -> None:
+        room = self.config.max_in_flight - len(self.books.open_attempts())
+        reserved = [a.rollout_id for a in self.books.attempts.values() if a.state == "reserved"]
+        specs = [self.books.spec(r) for r in reserved]
+        while room - len(specs) > 0:
+            group = self.books.reserve_next()
+            if group is None or group[0].rollout_id in reserved:
+                break
+            specs += group
+        if not specs:
+            return
+        answer = self.gym.start_rollouts([msgspec.to_builtins(s) for s in specs])
+        self.books.dispatched(answer["accepted"])
+
+    # -- saving -----------------------------------------------------------------------------
+    def save_now(self) -> SaveReport | None:
+        """One save attempt now (waits for a background write still in flight first)."""
+        self.writer.wait()
+        self._check_fatal()
+        try:
+            report = save(self)
+        except SaveAbortedError as exc:
+            log.warning("%s", exc)
+            report = _report_of(exc)
+            self._count(report, exc)
+            return report
+        if report.ok:  # written in the pause: done now
+            self._count(report, None)
+        return report
+
+    def _background_done(self, report: SaveReport, exc: BaseException | None) -> None:
+        if exc is not None:
+            log.warning("background write of %s failed, nothing published: %s", report.checkpoint_id, exc)
+        self._count(report, exc)
+
+    def _count(self, report: SaveReport, exc: BaseException | None) -> None:
+        with self._lock:
+            self.saves.append(report)
+            self._failures = 0 if exc is None else self._failures + 1
+            if exc is not None and self._failures >= self.config.max_consecutive_failures:
+                self._fatal = TooManyFailuresError(
+                    f"{self._failures} consecutive save attempts failed (max_consecutive_failures="
+                    f"{self.config.max_consecutive_failures}); last: {report.error}")
+
+    def _check_fatal(self) -> None:
+        with self._lock:
+            fatal = self._fatal
+        if fatal is not None:
+            raise fatal
+
+    # -- inspection -------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        b = self.books
+        with self._lock:
+            saves = len(self.saves)
+            published = sum(s.published for s in self.saves)
+        return {"groups": len(b.groups), "open": len(b.open_attempts()), "train_steps": b.train_steps,
+                "stored": sum(a.state == "sealed" for a in b.attempts.values()), "saves": saves,
+                "published": published, "steps": dict(self.steps.counts), "pid": _pid()}
+
+    def saves_since(self, n: int) -> list[SaveReport]:
+        """Reports of finished save attempts after the first ``n`` (for a driver's log)."""
+        with self._lock:
+            return list(self.saves[n:])
+
+    def data_plane_tables(self) -> dict[str, Any]:
+        """The data plane's rows now, as Arrow tables (for checks after a run)."""
+        return dict(self.plane.cut().tables)
+
+    def records(self) -> Any:
+        return self.books.records()
+
+
+def _report_of(exc: SaveAbortedError) -> SaveReport:
+    if isinstance(exc.report, SaveReport):
+        return exc.report
+    return SaveReport(checkpoint_id="?", mode="?", error=str(exc))
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def remote(config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, **kw: Any) -> Any:
+    """The Single Controller as a Ray actor (no CPU reserved; threads so ``status`` answers during ``run``)."""
+    import ray
+
+    return ray.remote(SingleController).options(num_cpus=0, max_concurrency=4).remote(
+        config, store_url, gym_actor, workload, **kw)

@@ -1,0 +1,45 @@
+"""The coordinator's errors: every one is a :class:`~schemas.errors.SnapshotError`."""
+
+from __future__ import annotations
+
+from schemas.errors import SnapshotError
+
+
+class CoordinatorError(SnapshotError):
+    """The coordinator could not do what it was asked (the message says which step and why)."""
+
+
+class GymCallError(CoordinatorError):
+    """A Gym server refused a call, answered an error, was unreachable, or missed the deadline."""
+
+    def __init__(self, message: str, *, component: str = "", name: str = "", status: int | None = None,
+                 error: str | None = None) -> None:
+        super().__init__(message)
+        self.component = component
+        self.name = name
+        self.status = status
+        self.error = error
+
+    def __reduce__(self):  # crosses Ray's process boundary with its fields
+        return (_rebuild_gym_call_error, (str(self), self.component, self.name, self.status, self.error))
+
+
+def _rebuild_gym_call_error(message: str, component: str, name: str, status: int | None,
+                            error: str | None) -> GymCallError:
+    return GymCallError(message, component=component, name=name, status=status, error=error)
+
+
+class SaveAbortedError(CoordinatorError):
+    """A save failed before publish: every Gym server was resumed (aborted) and nothing was published.
+
+    ``report`` is the attempt's :class:`~coordinator.save.SaveReport` (steps done, the error)."""
+
+    report: object = None
+
+
+class TooManyFailuresError(CoordinatorError):
+    """``max_consecutive_failures`` saves in a row failed; the last error is the cause."""
+
+
+class RestoreError(CoordinatorError):
+    """A restore could not be completed; Gym was aborted and nothing was resumed."""
