@@ -77,15 +77,15 @@ class Bookkeeping:
         return [a for a in self.attempts.values() if a.state in OPEN_STATES]
 
     def reserve_next(self) -> list[RolloutSpec] | None:
-        """Reserve the next prompt's group (run 0 of each rollout); None when the loader is done.
-        The loader's place moves on only in :meth:`dispatched`."""
+        """Reserve the next prompt's group (run 0 of each rollout); None when the loader is done,
+        ``[]`` while that group is still partly reserved. The loader moves on only in :meth:`dispatched`."""
         prompt = self.loader.peek()
         if prompt is None:
             return None
         specs = self.workload.group(prompt)
         gid = specs[0].group_id
-        if gid in self.groups:  # reserved before, not yet dispatched
-            return [self.spec(a.rollout_id) for a in self.attempts.values() if a.group_id == gid]
+        if gid in self.groups:  # reserved before, part of it not dispatched yet: nothing new
+            return []
         self.groups[gid] = Group(gid, prompt, "generating", [s.rollout_id for s in specs])
         for s in specs:
             self.attempts[s.rollout_id] = Attempt(s.rollout_id, gid, 0, "reserved")

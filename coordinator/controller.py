@@ -111,6 +111,7 @@ class SingleController:
         self._fatal: BaseException | None = None
         self._lock = threading.Lock()  # saves' reports arrive from the writer thread
         self._gym_down_since: float | None = None
+        self.pending_resume: str | None = None  # a checkpoint whose resume failed: retried before any rollout
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> RestoreReport | None:
@@ -131,13 +132,17 @@ class SingleController:
                 break
             self._check_fatal()
             try:
+                if self.pending_resume is not None:
+                    self.gym.resume_checkpoint(self.pending_resume)
+                    self.pending_resume = None
                 self.collect()
                 self.train()
                 self.dispatch()
                 self._gym_down_since = None
             except GymCallError as exc:
                 self._gym_unreachable(exc)
-            if interval is not None and time.monotonic() - last_save >= interval:
+            gym_up = self._gym_down_since is None  # no save while Gym fails every call: it would only abort
+            if gym_up and interval is not None and time.monotonic() - last_save >= interval:
                 self.save_now()
                 last_save = time.monotonic()
             time.sleep(self.config.poll_interval_s)
@@ -200,7 +205,7 @@ class SingleController:
         specs = [self.books.spec(r) for r in reserved]
         while room - len(specs) > 0:
             group = self.books.reserve_next()
-            if group is None or group[0].rollout_id in reserved:
+            if not group:
                 break
             specs += group
         if not specs:
@@ -209,8 +214,9 @@ class SingleController:
         self.books.dispatched(answer["accepted"])
 
     # -- saving -----------------------------------------------------------------------------
-    def save_now(self) -> SaveReport | None:
-        """One save attempt now (waits for a background write still in flight first)."""
+    def save_now(self, wait: bool = False) -> SaveReport:
+        """One save attempt now (after a background write still in flight). With ``wait``, also wait
+        for this save's own background write, so the report says whether it was published."""
         self.writer.wait()
         self._check_fatal()
         try:
@@ -222,6 +228,8 @@ class SingleController:
             return report
         if report.ok:  # written in the pause: done now
             self._count(report, None)
+        elif wait:
+            self.writer.wait()
         return report
 
     def _background_done(self, report: SaveReport, exc: BaseException | None) -> None:

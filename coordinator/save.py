@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from coordinator.cut import Cut, take_cut, write_cut_parts
-from coordinator.errors import SaveAbortedError
+from coordinator.errors import GymCallError, SaveAbortedError
 from coordinator.gym_actor import CommitResult
 from snapformat import Published
 from snapformat.draft import SnapshotDraft
@@ -127,7 +127,13 @@ def save(ctl: SingleController) -> SaveReport:
         aborted = SaveAbortedError(f"save {cid} aborted, nothing published: {report.error}")
         aborted.report = report
         raise aborted from exc
-    timed("resume", lambda: ctl.gym.resume_checkpoint(cid))
+    try:
+        timed("resume", lambda: ctl.gym.resume_checkpoint(cid))
+    except GymCallError as exc:
+        # Gym's state is committed and the cut taken: the snapshot stands whatever the resume does.
+        # The loop retries the resume and sends no rollout until it succeeds (SPEC §20.8).
+        log.warning("resume of %s failed (%s); the loop retries it", cid, exc)
+        ctl.pending_resume = cid
     report.pause_s = round(time.perf_counter() - t_pause, 6)
     ctl.steps.reached("save.resumed")
     if in_pause:

@@ -35,6 +35,7 @@ from refgym.api import (
     REVISION_HEADER, ApiRefused, SessionId, ToolCall, ToolReply, decode, health_routes,
     install_error_handler, paused, reply,
 )
+from refgym.faults import Faults
 from refgym.parts import invalid_records_refused, part_records
 
 _ARGS = {"notes": {"value"}, "sandbox": {"code"}}
@@ -51,6 +52,7 @@ class ResourceParticipant(Participant):
     def __init__(self, name: str, slow_ms: int = 0) -> None:
         self.name = name
         self.slow_s = slow_ms / 1000
+        self.faults = Faults()
         self.plane: ControlPlane | None = None
         self.sessions: dict[tuple[str, str], Session] = {}  # (tool kind, session id) -> session
         self._calls = InFlight()
@@ -64,6 +66,7 @@ class ResourceParticipant(Participant):
 
     async def prepare(self, deadline: float) -> None:
         """Freeze: the kit already refuses new calls; wait for the admitted ones to finish."""
+        await self.faults.before_prepare()
         await self._calls.quiet()
 
     async def resume(self) -> None:
@@ -75,6 +78,7 @@ class ResourceParticipant(Participant):
 
     async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
         assert part is not None
+        self.faults.before_commit()
         records = [
             SessionStateRecord(session_id=sid, resource=kind, state_revision=s.revision,
                                rollout_id=_rollout_of(sid), state=s.state)
@@ -151,7 +155,7 @@ def _rollout_of(session_id: str) -> str | None:
         return None
 
 
-def create_app(name: str, token: str, slow_ms: int = 0) -> FastAPI:
+def create_app(name: str, token: str, slow_ms: int = 0, test_faults: bool = False) -> FastAPI:
     """The resource server's FastAPI app: tools, session reset, a session view and the control routes."""
     participant = ResourceParticipant(name, slow_ms)
     plane = ControlPlane(participant, token)
@@ -161,6 +165,8 @@ def create_app(name: str, token: str, slow_ms: int = 0) -> FastAPI:
     app.include_router(plane.router())
     install_error_handler(app)
     health_routes(app, "resource", name)
+    if test_faults:
+        participant.faults.install(app)
 
     @app.post("/tools/{kind}")
     async def tool(kind: str, request: Request) -> Response:

@@ -28,7 +28,7 @@ def build_app(args: argparse.Namespace, token: str) -> FastAPI:
     if args.component == "resource":
         from refgym.resource_server import create_app as resource_app
 
-        return resource_app(args.name, token, slow_ms=args.slow_ms)
+        return resource_app(args.name, token, slow_ms=args.slow_ms, test_faults=args.test_faults)
     if not args.model_url or not args.resource_url:
         raise SystemExit("an agent server needs --model-url and --resource-url")
     from refgym.agent_server import create_app as agent_app
@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model: the model's seed")
     p.add_argument("--slow-ms", type=int, default=0, help="model/resource: make every call take this long")
     p.add_argument("--commit-delay-ms", type=int, default=0, help="model: hold each commit open this long (tests)")
+    p.add_argument("--test-faults", action="store_true", help="resource: serve POST /test/faults (tests only)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 

@@ -73,9 +73,12 @@ def check_schema(kind: str, schema: pa.Schema, where: str) -> None:
     and the file's ``snapformat.schema_version`` (1 when absent) is one this reader understands."""
     expected = ROW_SCHEMAS[kind]
     raw = (schema.metadata or {}).get(b"snapformat.schema_version", b"1")
-    if not raw.isdigit() or not 1 <= int(raw) <= RECORD_SCHEMA_VERSION:
+    # Length first: int() refuses more than 4300 digits with a bare ValueError, and no supported
+    # version needs more than a few.
+    if not raw.isdigit() or len(raw.lstrip(b"0")) > 9 or not 1 <= int(raw) <= RECORD_SCHEMA_VERSION:
+        shown = raw[:40].decode(errors="replace") + ("..." if len(raw) > 40 else "")
         raise VersionError(
-            f"{where}: snapformat.schema_version {raw.decode(errors='replace')!r} is not supported "
+            f"{where}: snapformat.schema_version {shown!r} is not supported "
             f"(this reader understands 1..{RECORD_SCHEMA_VERSION})")
     for field in expected:
         idx = schema.get_field_index(field.name)
@@ -131,6 +134,10 @@ def _first_bad(mask: pa.Array) -> int | None:
     return pc.index(mask, True).as_py()
 
 
+def _length(count: pa.Scalar) -> str:
+    return "null (no list)" if count.as_py() is None else str(count.as_py())
+
+
 def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
     """Row-level rules, vectorised: Gym's id and capture-key rules, matching list lengths."""
     for name in ("rollout_id",):
@@ -164,12 +171,14 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
             f"{where}: row {i}: capture_key {key[i].as_py()!r} is not the key of rollout "
             f"{rid[i].as_py()!r} attempt {attempt[i].as_py()} (expected {expected_key[i].as_py()!r})"
         )
-    gen, lp = batch.column("generation_token_ids"), batch.column("generation_log_probs")
-    i = _first_bad(pc.not_equal(pc.list_value_length(gen), pc.list_value_length(lp)))
+    gen_len = pc.list_value_length(batch.column("generation_token_ids"))
+    lp_len = pc.list_value_length(batch.column("generation_log_probs"))
+    i = _first_bad(pc.not_equal(gen_len, lp_len))
     if i is not None:
+        # Lengths, not len(list[i]): a null list (in a column that must have none) has no len().
         raise InvalidRecordError(
-            f"{where}: row {i}: generation_log_probs has {len(lp[i])} values for "
-            f"{len(gen[i])} generation_token_ids (expected equal lengths)"
+            f"{where}: row {i}: generation_log_probs has {_length(lp_len[i])} values for "
+            f"{_length(gen_len[i])} generation_token_ids (expected equal lengths)"
         )
     res = batch.column("parent_resolution")
     i = _first_bad(pc.and_(pc.is_valid(res), pc.invert(pc.is_in(res, value_set=_PARENT_RESOLUTIONS))))

@@ -16,6 +16,7 @@ import xxhash
 from schemas.errors import CorruptSnapshotError, InvalidRecordError
 from schemas.rows import ROW_SCHEMAS, check_schema, conform, validate_batch
 from snapformat.checksum import HashingWriter, check
+from snapformat.ipc_bounds import check_declared_sizes
 
 IPC_COMPRESSIONS = ("none", "zstd", "lz4")
 
@@ -79,7 +80,11 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
     """Open a row part held in ``buf`` (memory-mapped or in memory) after checking it.
 
     The size is always checked; the checksum when given (so corrupt bytes never reach Arrow's
-    parser). The schema and the batch and row counts must match the manifest.
+    parser). What compressed buffers declare is bounded before Arrow allocates for it. The schema
+    and the batch and row counts must match the manifest, and every batch is validated in full:
+    Arrow's reader checks only buffer sizes, so offsets pointing past their data (which a matching
+    checksum does not rule out, it guards against corruption, not malice) would otherwise reach
+    the caller. Full validation costs a few ms per GB, far less than the checksum.
     """
     if buf.size != size:
         raise CorruptSnapshotError(f"{where}: size is {buf.size} bytes, the manifest says {size}")
@@ -91,19 +96,24 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
             from snapformat.checksum import checksum_bytes
             actual = checksum_bytes(memoryview(buf), algo)
         check(where, actual, checksum)
+    check_declared_sizes(memoryview(buf), where)
     try:
         reader = pa.ipc.open_file(buf)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise CorruptSnapshotError(f"{where}: not a readable Arrow IPC file: {exc}") from None
     check_schema(kind, reader.schema, where)
     if batches is not None and reader.num_record_batches != batches:
         raise CorruptSnapshotError(
             f"{where}: has {reader.num_record_batches} record batches, the manifest says {batches}")
     if records is not None:
-        try:
-            n = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise CorruptSnapshotError(f"{where}: unreadable record batch: {exc}") from None
+        n = 0
+        for i in range(reader.num_record_batches):
+            try:
+                batch = reader.get_batch(i)
+                batch.validate(full=True)
+            except (pa.ArrowException, OSError) as exc:  # ArrowMemoryError too: never a bare MemoryError
+                raise CorruptSnapshotError(f"{where}: record batch {i} is unreadable: {exc}") from None
+            n += batch.num_rows
         if n != records:
             raise CorruptSnapshotError(f"{where}: has {n} rows, the manifest says {records}")
     return reader

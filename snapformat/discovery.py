@@ -10,8 +10,6 @@ A commit record is the only proof of publication; nothing else is trusted.
 
 from __future__ import annotations
 
-import msgspec
-
 from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishedError
 from schemas.manifest import CommitRecord, LatestHint
 from schemas.version import check_readable
@@ -44,10 +42,11 @@ def read_commit(store: Store, sequence: int) -> CommitRecord:
 
 
 def _hinted_sequence(store: Store) -> int | None:
+    """The hint's sequence, or None when it is missing or unreadable (it is advisory: never fatal)."""
     try:
         data = store.read_bytes(layout.HINT_KEY)
-        return msgspec.json.decode(data, type=LatestHint).sequence
-    except (FileNotFoundError, msgspec.DecodeError, InvalidRecordError):
+        return jsonl.decode_json(data, LatestHint, store.display(layout.HINT_KEY)).sequence
+    except (FileNotFoundError, CorruptSnapshotError, InvalidRecordError):
         return None
 
 

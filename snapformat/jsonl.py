@@ -22,10 +22,30 @@ from schemas.version import check_record_version
 ZSTD_THRESHOLD = 256 * 1024
 ZSTD_LEVEL = 3
 MAX_LINE = 16 << 20
+#: The most any zstd frame expands, whatever its header claims: a block yields at most 128 KiB and
+#: costs at least 4 bytes (a 3-byte header and the byte an RLE block repeats). A ``content_size``
+#: beyond this many times the stored size is impossible and is refused before decompressing. LZ4
+#: (Arrow's other codec) expands at most ~255-fold, so the bound holds for it too.
+ZSTD_MAX_EXPANSION = 32768
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _CHUNK = 8 << 20
 _ENCODE_BATCH = 4096
 
 _encoder = msgspec.json.Encoder()
+
+#: What msgspec raises for bytes it cannot decode as JSON, besides ``DecodeError``: invalid UTF-8
+#: inside a string is a ``UnicodeDecodeError``, nesting past its recursion limit (``[[[[...``) a
+#: ``RecursionError``. Untrusted bytes must end in a typed error, so all three are caught.
+_UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def _undecodable(exc: BaseException) -> str:
+    """Why bytes are not a JSON document, in words that do not point at the wrong position."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not valid JSON: a string is not valid UTF-8 ({exc.reason})"
+    if isinstance(exc, RecursionError):
+        return "not valid JSON: values nested deeper than the decoder allows"
+    return f"not valid JSON: {exc}"
 
 
 @cache
@@ -109,7 +129,32 @@ def _content_stream(data: bytes, compression: str, content_size: int | None, whe
         raise CorruptSnapshotError(f"{where}: unknown compression {compression!r} (expected none or zstd)")
     if content_size is None:
         raise CorruptSnapshotError(f"{where}: zstd part without content_size in the manifest")
+    _check_zstd_sizes(data, content_size, where)
     return _BoundedZstd(data, content_size, where)
+
+
+def _check_zstd_sizes(data: bytes, content_size: int, where: str) -> None:
+    """Refuse sizes that these bytes cannot honour, before a byte is decompressed.
+
+    The frame's own content size is never trusted to be right, but one larger than the manifest's
+    ``content_size`` cannot be right either (zstd checks it once the frame ends), so it is refused
+    up front instead of after decompressing up to ``content_size``.
+    """
+    limit = ZSTD_MAX_EXPANSION * len(data)
+    if content_size > limit:
+        raise CorruptSnapshotError(
+            f"{where}: content_size {content_size} is impossible for {len(data)} bytes of zstd data "
+            f"(expected at most {limit}: zstd expands at most {ZSTD_MAX_EXPANSION}-fold)")
+    if not data.startswith(_ZSTD_MAGIC):
+        return  # a skippable frame first, or no zstd at all: the decoder decides
+    try:
+        declared = zstandard.get_frame_parameters(data).content_size
+    except zstandard.ZstdError:
+        return  # a damaged header: the decoder names it
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > content_size:
+        raise CorruptSnapshotError(
+            f"{where}: its zstd frame declares {declared} bytes of content, the manifest says content_size "
+            f"{content_size}")
 
 
 class _BoundedZstd(io.RawIOBase):
@@ -179,7 +224,7 @@ def iter_records(
 def _decode_block(dec: msgspec.json.Decoder, block: bytes, where: str, first_line: int) -> list[Any]:
     try:
         return dec.decode_lines(block)
-    except (msgspec.DecodeError, SnapshotError, ValueError):
+    except (*_UNDECODABLE, SnapshotError, ValueError):
         pass
     # Find the first bad line to name it (slow path, only on error).
     for i, line in enumerate(block.split(b"\n")):
@@ -189,8 +234,8 @@ def _decode_block(dec: msgspec.json.Decoder, block: bytes, where: str, first_lin
             dec.decode(line)
         except msgspec.ValidationError as exc:
             raise InvalidRecordError(f"{where}: line {first_line + i + 1}: {exc}") from None
-        except msgspec.DecodeError as exc:
-            raise CorruptSnapshotError(f"{where}: line {first_line + i + 1}: not valid JSON: {exc}") from None
+        except _UNDECODABLE as exc:
+            raise CorruptSnapshotError(f"{where}: line {first_line + i + 1}: {_undecodable(exc)}") from None
     raise CorruptSnapshotError(f"{where}: lines {first_line + 1}.. could not be decoded")
 
 
@@ -200,8 +245,8 @@ def decode_json(data: bytes, record_type: Any, where: str) -> Any:
         return decoder(record_type).decode(data)
     except msgspec.ValidationError as exc:
         raise InvalidRecordError(f"{where}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise CorruptSnapshotError(f"{where}: not valid JSON: {exc}") from None
+    except _UNDECODABLE as exc:
+        raise CorruptSnapshotError(f"{where}: {_undecodable(exc)}") from None
 
 
 def encode_json(record: Any) -> bytes:

@@ -144,12 +144,24 @@ class Snapshot:
     def read_table(self, part: str, verify: bool = True) -> pa.Table:
         """Every row of a row kind (all files, in manifest order) as one zero-copy table."""
         tables = []
-        for entry in self.select(part):
+        entries = self.select(part)
+        for entry in entries:
             reader = self.open_rows(entry, verify)
-            tables.append(reader.read_all())
+            try:
+                tables.append(reader.read_all())
+            except (pa.ArrowException, OSError) as exc:
+                raise CorruptSnapshotError(f"{self.where(entry)}: unreadable: {exc}") from None
         if not tables:
             raise NotPublishedError(f"{self.url}: has no {part!r} part")
-        return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+        if len(tables) == 1:
+            return tables[0]
+        try:
+            return pa.concat_tables(tables, promote_options="default")
+        except (pa.ArrowException, OSError) as exc:
+            # Each file is valid alone: extra columns are free, so two files may give one name two types.
+            raise InvalidRecordError(
+                f"{self.url}: the {part!r} files {', '.join(e.path for e in entries)} cannot be read as one table "
+                f"(expected the same type for every column they share): {exc}") from None
 
     def iter_records(self, part: str | FileEntry, verify: bool = True) -> Iterator[Any]:
         """Decoded records of a JSON-lines or JSON part (every file of a kind, in manifest order)."""
@@ -182,9 +194,24 @@ class Snapshot:
                 target = self.select(entry.file)
                 if not target or target[0].kind != "token_capture_rows":
                     raise CorruptSnapshotError(f"{self.url}: token index names {entry.file!r}, not a token-capture part")
-                batch = self.open_rows(target[0], verify).get_batch(entry.batch)
-                return pa.Table.from_batches([batch.slice(entry.row_start, entry.row_count)])
+                return self._indexed_rows(target[0], entry, verify)
         raise NotPublishedError(f"{self.url}: no token rows indexed for {capture_key!r} call {model_call_id!r}")
+
+    def _indexed_rows(self, target: FileEntry, entry: Any, verify: bool) -> pa.Table:
+        """The rows a token-index entry names, refused when its batch or range lies outside the file
+        (Arrow would raise an untyped error for the batch, and slice a short range silently)."""
+        reader = self.open_rows(target, verify)
+        where = f"{self.url}: token index entry for {entry.capture_key!r} call {entry.model_call_id!r}"
+        if entry.batch >= reader.num_record_batches:
+            raise CorruptSnapshotError(
+                f"{where}: batch {entry.batch} does not exist in {entry.file} "
+                f"(expected < {reader.num_record_batches})")
+        batch = reader.get_batch(entry.batch)
+        if entry.row_start + entry.row_count > batch.num_rows:
+            raise CorruptSnapshotError(
+                f"{where}: rows {entry.row_start}..{entry.row_start + entry.row_count - 1} exceed batch "
+                f"{entry.batch} of {entry.file} (expected row_start + row_count <= {batch.num_rows})")
+        return pa.Table.from_batches([batch.slice(entry.row_start, entry.row_count)])
 
 
 def open_snapshot(url: str) -> Snapshot:

@@ -12,9 +12,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from refgym.forkserver import ForkServer
+from refgym.procs import REPO_ROOT
 from snapformat.testing import s3servers
 
 _bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def forkserver() -> Iterator[ForkServer]:
+    """Reference Gym servers are forked from it (it imports their code once); each is its own process."""
+    fs = ForkServer(REPO_ROOT)
+    yield fs
+    fs.close()
 
 
 @pytest.fixture(scope="session")

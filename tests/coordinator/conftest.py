@@ -21,3 +21,36 @@ def tq_runtime() -> Iterator[ray_runtime.RayRuntime]:
         yield runtime
     finally:
         runtime.close()
+
+
+@pytest.fixture
+def fleet(tmp_path, forkserver):
+    """Reference Gym servers for one test (forked; SIGKILLed at teardown)."""
+    from refgym.testing import new_fleet
+
+    f = new_fleet(tmp_path / "fleet", forkserver)
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="session")
+def reference_rows(tmp_path_factory, forkserver, tq_runtime):
+    """The final data-plane content of an uninterrupted run of the harness workload (no snapshots)."""
+    import msgspec
+
+    from coordinator.accounting import content
+    from refgym.testing import new_fleet
+    from harness import CONFIG, InRayJob
+
+    f = new_fleet(tmp_path_factory.mktemp("reference"), forkserver)
+    try:
+        job = InRayJob(f, str(tmp_path_factory.mktemp("reference-store")),
+                       config=msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=None))
+        assert job.setup() is None
+        outcome = job.run()
+        assert outcome.done and not outcome.saves
+        tables = job.call("data_plane_tables")
+        job.kill()
+        return content(tables)
+    finally:
+        f.close()

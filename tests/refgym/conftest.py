@@ -16,15 +16,7 @@ import pytest
 
 from refgym.client import ok
 from refgym.forkserver import ForkServer
-from refgym.procs import REPO_ROOT
 from refgym.testing import Fleet, Gym, Spec, new_fleet
-
-
-@pytest.fixture(scope="session")
-def forkserver() -> Iterator[ForkServer]:
-    fs = ForkServer(REPO_ROOT)
-    yield fs
-    fs.close()
 
 
 @pytest.fixture

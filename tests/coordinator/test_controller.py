@@ -1,0 +1,159 @@
+"""The Single Controller on the session's Ray with real Gym servers: saves in both write modes,
+failed saves that abort and let the run go on, and the restore's choices (topology, corruption,
+empty store). Every run's final rows are compared with an uninterrupted run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import ray
+
+from coordinator.accounting import content, trained_once
+from coordinator.errors import TooManyFailuresError
+from harness import CONFIG, WORKLOAD, InRayJob
+from schemas.errors import TopologyMismatchError
+from snapformat import SnapshotStore, verify_snapshot
+
+pytestmark = pytest.mark.usefixtures("tq_runtime")
+IDS = [s.rollout_id for i in range(WORKLOAD.prompts) for s in WORKLOAD.group(i)]
+
+
+def check_finished(job: InRayJob, reference_rows) -> None:
+    assert content(job.call("data_plane_tables")) == reference_rows
+    assert trained_once(msgspec.to_builtins(job.call("records")), IDS) == []
+
+
+def check_store(store: SnapshotStore) -> list[int]:
+    seqs = [c.sequence for c in store.list()]
+    for seq in seqs:
+        report = verify_snapshot(store.open(seq))
+        assert report.ok, report.problems
+    return seqs
+
+
+@pytest.mark.parametrize("mode", ["background", "in_pause"])
+def test_a_run_with_saves_ends_like_an_uninterrupted_one(mode, fleet, tmp_path: Path, reference_rows) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    job = InRayJob(fleet, store.url, config=msgspec.structs.replace(CONFIG, write_mode=mode))
+    assert job.setup() is None  # an empty store: start fresh
+    outcome = job.run()
+    assert outcome.done
+    published = [s for s in outcome.saves if s.published]
+    assert published and all(s.ok and s.error is None for s in outcome.saves)
+    for s in published:  # every step timed, the pause measured
+        assert {"flush_acks", "prepare", "gym_commit", "cut", "resume", "write", "publish"} <= set(s.steps_s)
+        assert 0 < s.pause_s
+        if mode == "background":  # the bytes were written after the resume: not part of the pause
+            assert s.pause_s < sum(s.steps_s.values())
+    newest = store.latest()
+    assert newest is not None and newest.manifest.topology_fingerprint
+    timings = newest.manifest.timings_s
+    assert ("pause_s" in timings) == (mode == "background") and "prepare_s" in timings
+    assert len(check_store(store)) <= CONFIG.keep_latest_k
+    check_finished(job, reference_rows)
+    job.kill()
+
+
+def _faults(job: InRayJob, **plan) -> None:
+    r = httpx.post(f"{job.gym.trio.resource.url}/test/faults", json=plan)
+    assert r.status_code == 200, r.text
+
+
+def test_a_commit_error_aborts_that_save_and_the_run_goes_on(fleet, tmp_path: Path, reference_rows) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    job = InRayJob(fleet, store.url, test_faults=True)
+    job.setup()
+    _faults(job, commit_errors=1)
+    outcome = job.run()
+    assert outcome.done
+    failed = outcome.saves[0]
+    assert not failed.published and "commit of resource tools" in failed.error and "500" in failed.error
+    later = job.call("save_now", True)  # a later save succeeds
+    assert later.published, later.error
+    assert failed.checkpoint_id not in {store.open(c.sequence).manifest.gym_commit.checkpoint_id for c in store.list()}
+    for p in job.gym.clients:  # every server was resumed by the abort
+        assert p.status()["phase"] == "idle"
+    check_store(store)
+    check_finished(job, reference_rows)
+    job.kill()
+
+
+def test_a_prepare_that_hangs_past_the_deadline_is_aborted(fleet, tmp_path: Path, reference_rows) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    config = msgspec.structs.replace(CONFIG, prepare_timeout_s=0.5)
+    job = InRayJob(fleet, store.url, config=config, test_faults=True)
+    job.setup()
+    _faults(job, prepare_hang_s=8.0, prepare_hangs=1)
+    outcome = job.run()
+    assert outcome.done
+    failed = outcome.saves[0]
+    assert not failed.published and "prepare of resource tools" in failed.error
+    assert failed.pause_s < 8.0  # given up at the deadline (+ grace), not when the server answered
+    later = job.call("save_now", True)
+    assert later.published, later.error
+    check_store(store)
+    check_finished(job, reference_rows)
+    job.kill()
+
+
+def test_max_consecutive_failures_stops_the_run_clearly(fleet, tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    job = InRayJob(fleet, store.url, config=msgspec.structs.replace(CONFIG, max_consecutive_failures=2),
+                   test_faults=True)
+    job.setup()
+    _faults(job, commit_errors=1000)
+    with pytest.raises(TooManyFailuresError, match=r"2 consecutive save attempts failed .*commit of resource tools"):
+        job.run()
+    assert store.list() == []
+    job.kill()
+
+
+def _run_with_snapshots(fleet, store: SnapshotStore, stop_after: int) -> None:
+    """A job that publishes at least ``stop_after`` snapshots and is then killed mid-run."""
+    job = InRayJob(fleet, store.url, crash_at="save.begin", occurrence=stop_after + 1, kill_gym=True,
+                   config=msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05))
+    job.setup()
+    with pytest.raises(ray.exceptions.RayActorError):
+        job.run()
+    job.kill()
+    assert len(store.list()) >= stop_after
+
+
+def test_restore_refuses_another_topology_naming_both(fleet, tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    _run_with_snapshots(fleet, store, 1)
+    saved = store.latest().manifest.topology_fingerprint
+    other = InRayJob(fleet, store.url)
+    other.gym = fleet.gym(model_name="policy1")  # another model server name: another topology
+    from coordinator import controller as controller_mod, gym_actor
+
+    actor = gym_actor.remote([p.url for p in other.gym.trio.all], fleet.token)
+    ctl = controller_mod.remote(CONFIG, store.url, actor, WORKLOAD, data_plane="memory")
+    with pytest.raises(TopologyMismatchError) as err:
+        ray.get(ctl.setup.remote())
+    assert saved in str(err.value) and "the running topology is sha256:" in str(err.value)
+    for a in (ctl, actor):
+        ray.kill(a)
+    other.kill()
+
+
+def test_a_corrupt_newest_snapshot_falls_back_to_the_one_before(fleet, tmp_path: Path, reference_rows) -> None:
+    store = SnapshotStore(str(tmp_path / "store"))
+    _run_with_snapshots(fleet, store, 2)
+    newest = store.latest()
+    victim = next(e for e in newest.manifest.files if e.kind == "training_rows")
+    path = Path(newest.url) / victim.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    job = InRayJob(fleet, store.url)
+    restored = job.setup()
+    assert restored.sequence == newest.sequence - 1
+    assert len(restored.skipped) == 1 and f"snapshot {newest.sequence}" in restored.skipped[0]
+    assert "checksum" in restored.skipped[0]
+    assert job.run().done
+    check_finished(job, reference_rows)
+    job.kill()
