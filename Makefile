@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STORE ?= demo-store
 
-.PHONY: venv demo test bench schemas clean
+.PHONY: venv demo format-demo test bench schemas clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,10 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
-	$(BIN)/python -m snapformat.demo --store "$(STORE)"
+	$(BIN)/python -m coordinator.demo --store "$(STORE)"
+
+format-demo: venv
+	$(BIN)/python -m snapformat.demo --store "$(STORE)-format"
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -36,13 +36,13 @@ def build_app(args: argparse.Namespace, token: str) -> FastAPI:
     return agent_app(args.name, token, model_url=args.model_url, resource_url=args.resource_url)
 
 
-def bind(port: int) -> socket.socket:
+def bind(port: int, host: str = HOST) -> socket.socket:
     """A listening-ready socket on 127.0.0.1 (SO_REUSEADDR, so a restarted server can take its old port)."""
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections accepted from a socket that
     # says it is TCP; without it every keep-alive request waits ~40 ms (Nagle + delayed ACK).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, port))
+    sock.bind((host, port))
     return sock
 
 
@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m refgym.serve", description=__doc__.splitlines()[0])
     p.add_argument("--component", required=True, choices=["model", "agent", "resource"])
     p.add_argument("--name", required=True, help="the server's name (its part is gym/<component>/<name>)")
-    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--host", default=HOST, help="address to listen on; 127.0.0.1 unless exposing the server is "
+                   "meant (another machine's NemoGym actor must reach it)")
+    p.add_argument("--port", type=int, default=0, help="port (0: any free port)")
     p.add_argument("--port-file", help="write the bound port here")
     p.add_argument("--token-file", required=True, help="file holding the bearer token of the control routes")
     p.add_argument("--model-url", help="agent: the policy model server")
@@ -76,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.token_file}: empty token", file=sys.stderr)
         return 2
     app = build_app(args, token)
-    sock = bind(args.port)
+    if args.host != HOST:
+        print(f"refgym: listening on {args.host}, not only loopback (--host was given)", file=sys.stderr)
+    sock = bind(args.port, args.host)
     port = sock.getsockname()[1]
     if args.port_file:
         write_port_file(args.port_file, port)
-    config = uvicorn.Config(app, host=HOST, port=port, log_level=args.log_level, lifespan="on")
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
