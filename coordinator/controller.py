@@ -287,9 +287,11 @@ def _pid() -> int:
     return os.getpid()
 
 
-def remote(config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, **kw: Any) -> Any:
-    """The Single Controller as a Ray actor (no CPU reserved; threads so ``status`` answers during ``run``)."""
+def remote(config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, *,
+           options: dict[str, Any] | None = None, **kw: Any) -> Any:
+    """The Single Controller as a Ray actor (no CPU reserved; threads so ``status`` answers during
+    ``run``). ``options`` are Ray actor options (e.g. ``runtime_env`` with the S3 credentials)."""
     import ray
 
-    return ray.remote(SingleController).options(num_cpus=0, max_concurrency=4).remote(
+    return ray.remote(SingleController).options(num_cpus=0, max_concurrency=4, **(options or {})).remote(
         config, store_url, gym_actor, workload, **kw)

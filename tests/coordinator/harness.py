@@ -36,7 +36,7 @@ class InRayJob:
                              kill_pids=[p.pid for p in self.gym.trio.all] if kill_gym else [])
         self.actor = gym_actor.remote([p.url for p in self.gym.trio.all], fleet.token)
         self.ctl = controller_mod.remote(config, store_url, self.actor, workload, data_plane=data_plane,
-                                         crash_plan=plan, **(actor_options or {}))
+                                         crash_plan=plan, options=actor_options)
 
     def setup(self) -> Any:
         return ray.get(self.ctl.setup.remote())

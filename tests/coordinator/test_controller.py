@@ -157,3 +157,33 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_one_before(fleet, tmp_path:
     assert job.run().done
     check_finished(job, reference_rows)
     job.kill()
+
+
+def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_env, new_bucket, tmp_path: Path,
+                                                                   reference_rows) -> None:
+    """Store on SeaweedFS: Gym servers write their parts straight to S3 through the draft's URL."""
+    from refgym.testing import new_fleet
+
+    aws_env(seaweed)
+    store = SnapshotStore(f"s3://{new_bucket(seaweed)}/run")
+    env = {"runtime_env": {"env_vars": seaweed.env_vars()}}
+    fleet = new_fleet(tmp_path / "fleet")  # fresh interpreters: they inherit the S3 variables
+    try:
+        first = InRayJob(fleet, store.url, crash_at="save.begin", occurrence=3, actor_options=env,
+                         config=msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05))
+        first.setup()
+        with pytest.raises(ray.exceptions.RayActorError):
+            first.run()
+        first.kill()
+        newest = store.latest()
+        assert newest is not None and newest.url.startswith("s3://")
+        assert all(e.path.startswith(("gym/", "tq/", "controller/")) for e in newest.manifest.files)
+        job = InRayJob(fleet, store.url, actor_options=env)
+        restored = job.setup()
+        assert restored.sequence == newest.sequence and restored.snapshot_url.startswith("s3://")
+        assert job.run().done
+        check_store(store)
+        check_finished(job, reference_rows)
+        job.kill()
+    finally:
+        fleet.close()
