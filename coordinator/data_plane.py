@@ -580,6 +580,33 @@ class DataPlaneCut:
         return sum(t.nbytes for t in self.tables.values())
 
 
+class DeferredCut(ABC):
+    """What the pause keeps of a data plane: enough to produce the cut later, unchanged.
+
+    ``held_bytes`` is what it holds in memory between the pause and :meth:`materialize` (the bound
+    that decides whether the bytes may be written after Gym resumes); ``seconds`` its time in the pause.
+    """
+
+    held_bytes: int
+    seconds: float
+
+    @abstractmethod
+    def materialize(self) -> DataPlaneCut:
+        """The cut as of the pause (raises :class:`DataPlaneChangedError` if that is no longer possible)."""
+
+
+class ReadyCut(DeferredCut):
+    """A cut already copied out in the pause (the default for any data plane)."""
+
+    def __init__(self, cut: DataPlaneCut) -> None:
+        self.cut = cut
+        self.held_bytes = cut.nbytes
+        self.seconds = cut.seconds
+
+    def materialize(self) -> DataPlaneCut:
+        return self.cut
+
+
 def _check_required(kind: str, table: pa.Table) -> None:
     """Every required column of ``kind`` is present and has no null: say which row lacks what."""
     for f in ROW_SCHEMAS[kind]:
@@ -665,6 +692,11 @@ class DataPlane(ABC):
     @abstractmethod
     def cut(self) -> DataPlaneCut:
         """Copy every row out, consistently. Call it while producers are held at the barrier."""
+
+    def deferred_cut(self) -> DeferredCut:
+        """The pause's share of a cut (call it at the barrier). By default the whole copy, taken now;
+        a data plane whose rows are write-once may keep only their listing and read values later."""
+        return ReadyCut(self.cut())
 
     @abstractmethod
     def clear(self) -> None:
@@ -923,7 +955,8 @@ def _split(spec: FieldSpec, fd: FieldData) -> list[Any]:
 
 
 __all__ = [
-    "DataPlane", "DataPlaneChangedError", "DataPlaneCut", "DataPlaneError", "DataPlaneNotEmptyError",
+    "DataPlane", "DataPlaneChangedError", "DataPlaneCut", "DataPlaneError", "DataPlaneNotEmptyError", "DeferredCut",
+    "ReadyCut",
     "FieldData", "FieldSpec", "FILE_NAMES", "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows",
     "Ragged", "RowGroup", "TOKEN_CAPTURE", "TRAINING", "build_table", "check_json_value", "group_by_presence",
     "field_data", "layout_of", "parse_table", "rows_of", "write_cut",

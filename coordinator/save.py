@@ -102,13 +102,12 @@ def save(ctl: SingleController) -> SaveReport:
             cid, time.time() + cfg.commit_timeout_s, draft.url))
         ctl.steps.reached("save.gym_committed")
         cut: Cut = timed("cut", lambda: take_cut(ctl.plane, ctl.books))
-        report.cut_bytes, report.rows = cut.nbytes, dict(cut.rows.rows)
         ctl.steps.reached("save.cut")
         pending = PendingWrite(draft, cut, commit, report, ctl.fingerprint)
-        in_pause = cfg.write_mode == "in_pause" or cut.nbytes > cfg.max_cut_bytes
+        in_pause = cfg.write_mode == "in_pause" or cut.held_bytes > cfg.max_cut_bytes
         if cfg.write_mode == "background" and in_pause:
-            log.warning("cut of %d bytes exceeds max_cut_bytes %d: writing it inside the pause",
-                        cut.nbytes, cfg.max_cut_bytes)
+            log.warning("the cut holds %d bytes, above max_cut_bytes %d: writing it inside the pause",
+                        cut.held_bytes, cfg.max_cut_bytes)
             report.mode = "in_pause (cut too large for background)"
         if in_pause:
             write_and_publish(ctl, pending, pause_started=t_pause)
@@ -147,7 +146,8 @@ def write_and_publish(ctl: SingleController, p: PendingWrite, pause_started: flo
     """Write the cut's parts into the draft and publish it with Gym's receipts (step 4)."""
     steps = p.report.steps_s
     t0 = time.perf_counter()
-    write_cut_parts(p.draft, p.cut, ctl.config.compression)
+    rows, _ = write_cut_parts(p.draft, p.cut, ctl.config.compression)
+    p.report.cut_bytes, p.report.rows = rows.nbytes, dict(rows.rows)
     steps["write"] = round(time.perf_counter() - t0, 6)
     ctl.steps.reached("save.written")
     timings = {f"{k}_s": v for k, v in steps.items()}

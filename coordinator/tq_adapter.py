@@ -38,7 +38,7 @@ from tensordict import TensorDict  # noqa: E402
 from tensordict.tensorclass import NonTensorData, NonTensorStack  # noqa: E402
 
 from coordinator.data_plane import (  # noqa: E402
-    DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError, FieldData, FieldSpec, InvalidRecordError,
+    DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError, DeferredCut, FieldData, FieldSpec, InvalidRecordError,
     PartitionRows, RowGroup, field_data, group_by_presence, rows_of,
 )
 
@@ -93,9 +93,22 @@ class TQDataPlane(DataPlane):
     """
 
     def __init__(self, token_capture_partitions: Iterable[str] | Callable[[str], bool] | None = None,
-                 chunk_rows: int = 0) -> None:
+                 chunk_rows: int = 0, write_once: bool = True) -> None:
         super().__init__(token_capture_partitions)
         self.chunk_rows = chunk_rows
+        self.write_once = write_once
+        self._written: set[tuple[str, str]] = set()  # (partition, key) put or loaded through this adapter
+
+    def deferred_cut(self) -> DeferredCut:
+        """With ``write_once`` (every key is put once, never changed or removed while a save is in
+        flight), the pause keeps only TQ's listing (partitions, keys, tags): its time grows with the
+        number of keys, not the bytes. The values are read later by :meth:`DeferredCut.materialize`,
+        which checks that every listed key still has its tag."""
+        if not self.write_once:
+            return super().deferred_cut()
+        started = time.perf_counter()
+        listing = _TQ().list()
+        return _ListingCut(self, listing, time.time(), time.perf_counter() - started)
 
     # -------------------------------------------------------------------- cut
 
@@ -165,9 +178,15 @@ class TQDataPlane(DataPlane):
     # ------------------------------------------------------------ put
 
     def put(self, partition_id: str, keys: Sequence[str], fields: Any = None, tags: Any = None) -> None:
+        """``kv_batch_put``; with ``write_once``, a key put before (through this adapter) is refused."""
         n = len(keys)
         if not n or len(set(keys)) != n:
             raise InvalidRecordError("keys must be distinct strings, at least one")
+        if self.write_once:
+            again = [k for k in keys if (partition_id, k) in self._written]
+            if again:
+                raise DataPlaneError(f"partition {partition_id!r}: keys {again[:5]} were put before; this data "
+                                     "plane is write-once (a save may be reading them)")
         td = None
         if fields:
             converted = {}
@@ -177,11 +196,13 @@ class TQDataPlane(DataPlane):
                                          f"partition {partition_id!r} field {name!r}")
             td = TensorDict(converted, batch_size=[n])
         _TQ().put(partition_id, list(keys), td, None if tags is None else [dict(t) for t in tags])
+        self._written.update((partition_id, k) for k in keys)
 
     # ------------------------------------------------------------ restore etc.
 
     def restore_partitions(self, partitions: Sequence[PartitionRows]) -> None:
         t = _TQ()
+        self._written.update((p.partition_id, k) for p in partitions for k in p.keys)
         for p in partitions:
             if not p.keys:
                 t.make_empty_partition(p.partition_id)
@@ -215,6 +236,7 @@ class TQDataPlane(DataPlane):
 
     def clear(self) -> None:
         t = _TQ()
+        self._written.clear()
         for pid, keys in t.list().items():
             t.drop_partition(pid, bool(keys))
         left = t.list()
@@ -223,6 +245,37 @@ class TQDataPlane(DataPlane):
 
     def is_empty(self) -> bool:
         return not _TQ().list()
+
+
+class _ListingCut(DeferredCut):
+    """TQ's listing at the barrier; the values of exactly those keys are read on :meth:`materialize`."""
+
+    def __init__(self, plane: TQDataPlane, listing: dict[str, dict[str, Any]], taken_at: float,
+                 seconds: float) -> None:
+        self._plane = plane
+        self._listing = listing
+        self._taken_at = taken_at
+        self.seconds = seconds
+        self.held_bytes = 0  # the listing only (keys and small tags)
+
+    def materialize(self) -> DataPlaneCut:
+        started = time.perf_counter()
+        t = _TQ()
+        try:
+            parts = [self._plane._read_partition(t, pid, key_tags) for pid, key_tags in self._listing.items()]
+        except DataPlaneChangedError as exc:
+            raise DataPlaneChangedError(f"{_BROKEN}: {exc}") from None
+        now = t.list()
+        for pid, key_tags in self._listing.items():
+            current = now.get(pid)
+            if current is None or any(current.get(k, _GONE) != tag for k, tag in key_tags.items()):
+                raise DataPlaneChangedError(f"{_BROKEN}: partition {pid!r} no longer holds them as listed")
+        return self._plane._make_cut(parts, started, self._taken_at)
+
+
+_GONE = object()
+_BROKEN = ("rows of the cut were changed or removed before they were read (the write-once contract was "
+           "broken); this save is not published")
 
 
 # ------------------------------------------------------------------------ conversions

@@ -132,7 +132,8 @@ def test_results_become_rows_that_pass_the_row_schemas(tmp_path: Path) -> None:
     assert tags["p1_g0/call-2"]["attempt_index"] == 1 and tags["p1_g0/call-0"]["capture_key"] == "p1_g0"
     store = SnapshotStore(str(tmp_path / "store"))
     draft = store.begin()
-    write_cut_parts(draft, take_cut(plane, books))
+    rows, _ = write_cut_parts(draft, take_cut(plane, books))
+    assert rows.rows == {"training_rows": 2, "token_capture_rows": 5}
     published = draft.publish()
     report = verify_snapshot(store.open(published.manifest.sequence))
     assert report.ok, report

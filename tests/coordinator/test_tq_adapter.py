@@ -194,3 +194,33 @@ def test_ray_and_tq_listen_on_loopback_only(tq_runtime) -> None:
         assert host in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"), line
     assert seen >= 3  # gcs, raylet, TQ's controller and storage unit at least
     assert json.dumps(tq_runtime.seconds)  # timings are recorded
+
+
+def _put_some(plane: TQDataPlane, pid: str, keys: list[str]) -> None:
+    plane.put(pid, keys, {"input_ids": Ragged([np.arange(i + 1, dtype=np.int32) for i in range(len(keys))])},
+              [{"rollout_id": k, "attempt_index": 0} for k in keys])
+
+
+def test_a_deferred_cut_keeps_only_the_listing_and_reads_the_rows_later(tq_plane: TQDataPlane) -> None:
+    _put_some(tq_plane, "train", ["a", "b", "c"])
+    deferred = tq_plane.deferred_cut()
+    assert deferred.held_bytes == 0  # the pause copied no row
+    _put_some(tq_plane, "train", ["d"])  # after the barrier: must not reach the cut
+    cut = deferred.materialize()
+    assert cut.tables["training_rows"].column("key").to_pylist() == ["a", "b", "c"]
+    assert cut.tables["training_rows"].column("input_ids").to_pylist() == [[0], [0, 1], [0, 1, 2]]
+
+
+def test_write_once_refuses_a_second_put_of_a_key(tq_plane: TQDataPlane) -> None:
+    _put_some(tq_plane, "train", ["a"])
+    with pytest.raises(tq_adapter.DataPlaneError, match="write-once"):
+        _put_some(tq_plane, "train", ["a"])
+
+
+def test_a_deferred_cut_whose_rows_changed_underneath_is_refused(tq_plane: TQDataPlane) -> None:
+    """Another producer (not this adapter) breaks the contract: the save must fail, not lie."""
+    _put_some(tq_plane, "train", ["a", "b"])
+    deferred = tq_plane.deferred_cut()
+    tq.kv_clear(keys=["b"], partition_id="train")
+    with pytest.raises(DataPlaneChangedError, match="changed or removed before they were read"):
+        deferred.materialize()
