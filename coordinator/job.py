@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         actor = gym_actor.remote([p.url for p in gym.trio.all], fleet.token)
         ctl = controller_mod.remote(config, args.store, actor, workload, data_plane=args.data_plane,
                                     crash_plan=plan)
+        (args.workdir / "controller.pid").write_text(str(ray.get(ctl.status.remote())["pid"]))
         restored = ray.get(ctl.setup.remote())
         if restored is None:
             print("job: the store holds no snapshot; starting fresh", flush=True)

@@ -33,14 +33,15 @@ def _stat(pid: int) -> tuple[int, int] | None:
 
 
 def process_tree(root: int) -> list[int]:
-    """``root``, its descendants, and every process in its session."""
+    """``root``, its descendants, and, when ``root`` leads a session of its own (as a job started by
+    :class:`JobProcess` does), every process left in that session (reparented ones too)."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (st := _stat(int(entry))) is not None:
             table[int(entry)] = st
     found = {root}
-    session = table.get(root, (0, -1))[1]
-    found |= {pid for pid, (_, sid) in table.items() if sid == session and session > 0}
+    if table.get(root, (0, -1))[1] == root:
+        found |= {pid for pid, (_, sid) in table.items() if sid == root}
     changed = True
     while changed:
         changed = False

@@ -7,11 +7,17 @@ Started lazily by the first test that asks for ``tq_runtime`` (``tq.init`` takes
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from coordinator import ray_runtime  # sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before anything imports ray
+
+# Ray's memory monitor kills worker processes of its own instance when the *machine* is short of memory,
+# whoever uses it: on a shared machine it once killed this session's TransferQueue actors (and so every
+# row) because another process was large. The tests want a clear failure, not silently lost actors.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 
 @pytest.fixture(scope="session")
