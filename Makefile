@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STORE ?= demo-store
 
-.PHONY: venv demo format-demo test bench schemas clean
+.PHONY: venv demo format-demo test bench schemas clean fuzz soak
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ format-demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
+soak: venv
+	$(BIN)/python -m coordinator.soak --minutes $(or $(SOAK_MINUTES),10)
+
 bench: venv
 	$(BIN)/python -m benchmarks.run
 
@@ -32,3 +35,6 @@ schemas: venv
 
 clean:
 	rm -rf $(VENV) demo-store .pytest_cache .hypothesis
+
+fuzz: venv
+	FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q tests/fuzz

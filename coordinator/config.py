@@ -32,3 +32,4 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     poll_interval_s: Positive = 0.05
     gym_unreachable_s: Positive = 20.0
     compression: Literal["none", "zstd", "lz4"] = "none"
+    data_plane_timeout_s: Positive = 300.0  # a TransferQueue call that takes longer fails the step (a dead storage unit)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -45,39 +47,66 @@ from coordinator.data_plane import (  # noqa: E402
 _EMPTY_PARTITION_PROBE = "__dataplane_empty_partition_probe__"
 
 
+DEFAULT_CALL_TIMEOUT_S = 300.0
+# TransferQueue's client waits forever for a storage unit that died; every call goes through these
+# threads so that the caller gives up at a deadline with a clear error (a hung thread stays behind).
+_CALLS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tq-call")
+
+
+def _bounded(method: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: _TQ, *args: Any) -> Any:
+        future = _CALLS.submit(method, self, *args)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FuturesTimeout:
+            raise DataPlaneError(f"TransferQueue did not answer {method.__name__} within {self.timeout_s:.0f}s "
+                                 "(is its controller or a storage unit dead?)") from None
+    call.__name__ = method.__name__
+    return call
+
+
 class _TQ:
-    """The few TransferQueue calls the adapter makes, in one place."""
+    """The few TransferQueue calls the adapter makes, in one place, each bounded by ``timeout_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
         self.client = tq.get_client()
+        self.timeout_s = timeout_s
 
+    @_bounded
     def list(self) -> dict[str, dict[str, Any]]:
         return tq.kv_list()
 
+    @_bounded
     def global_indexes(self, pid: str, keys: list[str]) -> list[int]:
         meta = self.client.kv_retrieve_meta(keys=keys, partition_id=pid, create=False)
         return list(meta.global_indexes)
 
+    @_bounded
     def field_schema(self, pid: str) -> dict[str, dict[str, Any]]:
         meta = self.client._run_coroutine(self.client._get_partition_meta(pid))
         return {} if meta is None else dict(meta.field_schema)
 
+    @_bounded
     def produced(self, pid: str, name: str) -> tuple[np.ndarray, np.ndarray]:
         gi, status = self.client.get_production_status(data_fields=[name], partition_id=pid)
         if gi is None:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
         return gi.numpy().astype(np.int64), status[:, 0].numpy() == 1
 
+    @_bounded
     def get(self, pid: str, keys: list[str], fields: list[str]) -> TensorDict:
         return tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields)
 
+    @_bounded
     def put(self, pid: str, keys: list[str], fields: TensorDict | None, tags: list[dict] | None) -> None:
         tq.kv_batch_put(keys=keys, partition_id=pid, fields=fields, tags=tags)
 
+    @_bounded
     def make_empty_partition(self, pid: str) -> None:
         self.client.kv_retrieve_meta(keys=[_EMPTY_PARTITION_PROBE], partition_id=pid, create=True)
         tq.kv_clear(keys=[_EMPTY_PARTITION_PROBE], partition_id=pid)
 
+    @_bounded
     def drop_partition(self, pid: str, has_keys: bool) -> None:
         if has_keys:
             self.client.clear_partition(pid)
@@ -93,11 +122,16 @@ class TQDataPlane(DataPlane):
     """
 
     def __init__(self, token_capture_partitions: Iterable[str] | Callable[[str], bool] | None = None,
-                 chunk_rows: int = 0, write_once: bool = True) -> None:
+                 chunk_rows: int = 0, write_once: bool = True,
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
         super().__init__(token_capture_partitions)
         self.chunk_rows = chunk_rows
+        self.call_timeout_s = call_timeout_s
         self.write_once = write_once
         self._written: set[tuple[str, str]] = set()  # (partition, key) put or loaded through this adapter
+
+    def _tq(self) -> _TQ:
+        return _TQ(self.call_timeout_s)
 
     def deferred_cut(self) -> DeferredCut:
         """With ``write_once`` (every key is put once, never changed or removed while a save is in
@@ -107,7 +141,7 @@ class TQDataPlane(DataPlane):
         if not self.write_once:
             return super().deferred_cut()
         started = time.perf_counter()
-        listing = _TQ().list()
+        listing = self._tq().list()
         return _ListingCut(self, listing, time.time(), time.perf_counter() - started)
 
     # -------------------------------------------------------------------- cut
@@ -120,7 +154,7 @@ class TQDataPlane(DataPlane):
         """
         started = time.perf_counter()
         taken_at = time.time()
-        t = _TQ()
+        t = self._tq()
         listing = t.list()
         parts = [self._read_partition(t, pid, key_tags) for pid, key_tags in listing.items()]
         if t.list() != listing:
@@ -195,13 +229,13 @@ class TQDataPlane(DataPlane):
                 converted[name] = _to_tq(spec, field_data(spec, values), n,
                                          f"partition {partition_id!r} field {name!r}")
             td = TensorDict(converted, batch_size=[n])
-        _TQ().put(partition_id, list(keys), td, None if tags is None else [dict(t) for t in tags])
+        self._tq().put(partition_id, list(keys), td, None if tags is None else [dict(t) for t in tags])
         self._written.update((partition_id, k) for k in keys)
 
     # ------------------------------------------------------------ restore etc.
 
     def restore_partitions(self, partitions: Sequence[PartitionRows]) -> None:
-        t = _TQ()
+        t = self._tq()
         self._written.update((p.partition_id, k) for p in partitions for k in p.keys)
         for p in partitions:
             if not p.keys:
@@ -235,7 +269,7 @@ class TQDataPlane(DataPlane):
             t.put(p.partition_id, keys, td, tags)
 
     def clear(self) -> None:
-        t = _TQ()
+        t = self._tq()
         self._written.clear()
         for pid, keys in t.list().items():
             t.drop_partition(pid, bool(keys))
@@ -244,7 +278,7 @@ class TQDataPlane(DataPlane):
             raise DataPlaneError(f"TransferQueue still holds partitions {sorted(left)} after clear()")
 
     def is_empty(self) -> bool:
-        return not _TQ().list()
+        return not self._tq().list()
 
 
 class _ListingCut(DeferredCut):
@@ -260,7 +294,7 @@ class _ListingCut(DeferredCut):
 
     def materialize(self) -> DataPlaneCut:
         started = time.perf_counter()
-        t = _TQ()
+        t = self._plane._tq()
         try:
             parts = [self._plane._read_partition(t, pid, key_tags) for pid, key_tags in self._listing.items()]
         except DataPlaneChangedError as exc:

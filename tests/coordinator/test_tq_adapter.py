@@ -224,3 +224,20 @@ def test_a_deferred_cut_whose_rows_changed_underneath_is_refused(tq_plane: TQDat
     tq.kv_clear(keys=["b"], partition_id="train")
     with pytest.raises(DataPlaneChangedError, match="changed or removed before they were read"):
         deferred.materialize()
+
+
+def test_a_transferqueue_that_stops_answering_fails_the_call_at_its_deadline(tq_plane, monkeypatch) -> None:
+    """TQ's client would wait forever on a dead storage unit; the adapter gives up with a clear error."""
+    import threading
+    import time
+
+    release = threading.Event()
+    monkeypatch.setattr(tq, "kv_list", lambda *a, **k: release.wait(30))
+    plane = TQDataPlane(call_timeout_s=0.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(tq_adapter.DataPlaneError, match=r"TransferQueue did not answer list within"):
+            plane.is_empty()
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
