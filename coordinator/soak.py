@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator.accounting import differences, trained_once
+from coordinator.accounting import content, content_differences, trained_once
 from coordinator.config import ControllerConfig
 from coordinator.demo import saves_of, tables_of
 from coordinator.job_process import JobProcess, process_tree
@@ -69,13 +69,15 @@ def pids_of(job: JobProcess, place: str) -> list[int]:
 
 class Soak:
     def __init__(self, store: str, workdir: Path, workload: Workload, config: ControllerConfig, model_slow_ms: int,
-                 seed: int, s3: Any = None) -> None:
+                 seed: int, s3: Any = None, places: tuple[str, ...] | None = None) -> None:
         self.store, self.workdir, self.workload, self.config = store, workdir, workload, config
         self.model_slow_ms, self.rng, self.s3 = model_slow_ms, random.Random(seed), s3
         self.kills: Counter[str] = Counter()
         self.moments: Counter[str] = Counter()
         self.cycles = 0
-        self.places = PLACES + (("s3",) if s3 is not None else ())
+        self.lost: list[str] = []
+        self.exits: list[str] = []  # how each wounded job ended
+        self.places = places or PLACES + (("s3",) if s3 is not None else ())
 
     def _job(self, name: str, outcome: Path | None = None) -> JobProcess:
         return JobProcess(self.store, self.workdir / "run", workload=self.workload, config=self.config,
@@ -107,8 +109,9 @@ class Soak:
         self._kill(job, place)
         try:
             job.wait(EXIT_WAIT_S)
-        except TimeoutError:
-            pass  # wait() killed the whole job: the operator's move
+            self.exits.append("failed by itself")
+        except TimeoutError:  # wait() killed the whole job: the operator's move
+            self.exits.append(f"killed by the operator after {EXIT_WAIT_S:.0f}s")
         job.kill()  # whatever is left of it
         if place == "s3":
             self.s3.start()
@@ -141,25 +144,33 @@ class Soak:
         return job.outcome()
 
 
-def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: int, workload: Workload,
-             config: ControllerConfig, model_slow_ms: int, s3: Any = None) -> int:
-    print(f"soak: {workload.rollouts} rollouts; up to {max_cycles} cycles or {minutes} min; store {store}; "
-          f"logs in {workdir}", flush=True)
+def reference_content(workdir: Path, workload: Workload, config: ControllerConfig,
+                      model_slow_ms: int) -> dict[str, Any]:
+    """The final rows of an uninterrupted run (no snapshots), as :func:`~coordinator.accounting.content`."""
     ref = JobProcess(str(workdir / "reference-store"), workdir / "reference", workload=workload,
                      config=msgspec.structs.replace(config, snapshot_attempt_interval_s=None),
                      model_slow_ms=model_slow_ms, outcome=workdir / "reference" / "outcome.json")
     if ref.wait(JOB_TIMEOUT_S) != 0:
-        print(ref.tail())
-        return 1
-    expected = ref.outcome()
-    soak = Soak(store, workdir, workload, config, model_slow_ms, seed, s3)
+        raise RuntimeError(f"the uninterrupted reference run failed:\n{ref.tail()}")
+    return content(tables_of(ref.outcome()))
+
+
+def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: int, workload: Workload,
+             config: ControllerConfig, model_slow_ms: int, s3: Any = None, expected: dict[str, Any] | None = None,
+             places: tuple[str, ...] | None = None) -> tuple[int, Soak]:
+    """Cycles of start-wait-kill, the final run, the account; returns (exit code, the soak's tallies)."""
+    print(f"soak: {workload.rollouts} rollouts; up to {max_cycles} cycles or {minutes} min; store {store}; "
+          f"logs in {workdir}", flush=True)
+    if expected is None:
+        expected = reference_content(workdir, workload, config, model_slow_ms)
+    soak = Soak(store, workdir, workload, config, model_slow_ms, seed, s3, places)
     end = time.monotonic() + minutes * 60
     while soak.cycles < max_cycles and time.monotonic() < end:
         if not soak.cycle():
             break
     actual = soak.finish()
     ids = [s.rollout_id for i in range(workload.prompts) for s in workload.group(i)]
-    lost = differences(tables_of(expected), tables_of(actual)) + trained_once(actual["records"], ids)
+    lost = content_differences(expected, content(tables_of(actual))) + trained_once(actual["records"], ids)
     snaps = SnapshotStore(store)
     bad = [c.sequence for c in snaps.list() if not verify_snapshot(snaps.open(c.sequence)).ok]
     lost += [f"snapshot {s} does not verify" for s in bad]
@@ -168,6 +179,7 @@ def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: i
     print(f"| cycles | {soak.cycles} |")
     print(f"| kills per place | {', '.join(f'{p} {soak.kills[p]}' for p in soak.places)} |")
     print(f"| kill moments | {', '.join(f'{m} {n}' for m, n in sorted(soak.moments.items()))} |")
+    print(f"| wounded jobs | {', '.join(f'{e} {n}' for e, n in sorted(Counter(soak.exits).items()))} |")
     print(f"| saves logged: published / aborted | {sum(s['published'] for s in saves)} / "
           f"{sum(not s['published'] for s in saves)} |")
     print(f"| snapshots kept (keep_latest_k={config.keep_latest_k}), all verify | {len(snaps.list())}, "
@@ -176,7 +188,8 @@ def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: i
     print(f"| lost or trained twice | {len(lost)} |")
     for p in lost:
         print(f"LOST: {p}")
-    return 1 if lost else 0
+    soak.lost = lost
+    return (1 if lost else 0), soak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         store = f"s3://{s3.make_bucket('soak')}/run"
     try:
         return run_soak(store, workdir, args.minutes, args.cycles, args.seed, workload, config,
-                        args.model_slow_ms, s3)
+                        args.model_slow_ms, s3)[0]
     finally:
         if s3 is not None:
             s3.cleanup()

@@ -22,7 +22,9 @@ from schemas.control import (
     CONTROL_PREFIX, MAX_BODY_BYTES, AcknowledgeRequest, Capabilities, CommitRequest, CommitResponse, ControlError,
     ControlRequest, DiscardRequest, PhaseResponse, RestoreRequest, RestoreResponse,
 )
-from schemas.errors import SnapshotError, TopologyMismatchError
+from schemas.errors import (
+    InvalidPathError, InvalidRecordError, NotPublishedError, SnapshotError, TopologyMismatchError,
+)
 from schemas.identity import check_relative_path
 from snapformat.draft import attach_part
 from snapformat.reader import open_snapshot
@@ -162,10 +164,13 @@ class ControlPlane:
             if req.part_prefix != self.prefix:  # first: an unsafe prefix is a bad request too, not a bad record
                 raise self._refuse(400, "bad_request", f"part_prefix must be {self.prefix!r}, got {req.part_prefix!r}")
             check_relative_path(req.part_prefix, where="part_prefix")
-            await self._set_phase("committing", req.checkpoint_id)
-            try:
+            try:  # a draft_url that names no draft is the caller's mistake (400), not this server's failure
                 part = attach_part(req.draft_url, self.prefix, writer=f"{self.caps.component}:{self.caps.name}") \
                     if self.caps.checkpoint_mode == "export_restore" else None
+            except (InvalidPathError, InvalidRecordError, NotPublishedError) as exc:
+                raise self._refuse(400, "bad_request", f"draft_url {req.draft_url[:200]!r}: {exc}") from None
+            await self._set_phase("committing", req.checkpoint_id)
+            try:
                 context = {"continuations": req.continuations, "draft_url": req.draft_url, "checkpoint_id": req.checkpoint_id}
                 payload = await asyncio.wait_for(self.participant.commit(part, context),
                                                  timeout=max(0.0, req.deadline - time.time()))
