@@ -30,6 +30,7 @@ from snapformat.draft import attach_part
 from snapformat.reader import open_snapshot
 from snapformat.snapshot_store import check_topology
 
+from gymkit.bodies import BodyTooLarge, read_body
 from gymkit.participant import Participant
 
 log = logging.getLogger("gymkit")
@@ -300,9 +301,10 @@ class ControlPlane:
 
         async def body(request: Request, typ: Any) -> Any:
             self.check_token(request)
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise ControlRefused(413, "too_large", f"body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+            try:
+                raw = await read_body(request, MAX_BODY_BYTES)
+            except BodyTooLarge as exc:
+                raise ControlRefused(413, "too_large", str(exc)) from None
             try:
                 return msgspec.json.decode(raw, type=typ)
             except msgspec.ValidationError as exc:

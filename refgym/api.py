@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi import FastAPI, Request, Response
 
+from gymkit.bodies import BodyTooLarge, read_body
 from schemas.gym_records import CallId, RolloutId
 from schemas.manifest import NonNeg
 from refgym.rules import MAX_PROMPT_TOKENS
@@ -94,9 +95,10 @@ def reply(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 async def decode(request: Request, typ: Any) -> Any:
     """The request body decoded as ``typ``: 413 past the size limit, 400 on anything malformed."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiRefused(413, "too_large", f"body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        raw = await read_body(request, MAX_BODY_BYTES)
+    except BodyTooLarge as exc:
+        raise ApiRefused(413, "too_large", str(exc)) from None
     try:
         return msgspec.json.decode(raw, type=typ)
     except msgspec.ValidationError as exc:

@@ -231,3 +231,16 @@ def test_abort_after_restore_drops_what_was_loaded(client: TestClient, agent: Fa
     r = post(client, "/abort", ctl("r1"))
     assert r.status_code == 200 and r.json()["phase"] == "idle"
     assert agent.restored == [] and agent.resets == 1 and agent.resumed == resumed_before
+
+
+def test_a_streamed_or_misdeclared_oversized_body_is_413_before_it_is_buffered(client: TestClient) -> None:
+    from schemas.control import MAX_BODY_BYTES
+
+    def chunks():  # no content-length: the limit must hold while streaming
+        for _ in range(64):
+            yield b" " * (MAX_BODY_BYTES // 8)
+
+    r = client.post(CONTROL_PREFIX + "/prepare", content=chunks(), headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"] == "too_large"
+    r = client.post(CONTROL_PREFIX + "/prepare", content=b"{}", headers=AUTH | {"content-length": str(1 << 40)})
+    assert r.status_code in (400, 413)  # the declared size alone is refused (or the transport rejects the lie)
