@@ -1,8 +1,9 @@
 """``make soak``: the whole system under repeated SIGKILLs, then an independent account of what was lost.
 
 Each cycle starts the job (``coordinator.job``: Ray, TransferQueue, the Gym servers, the actors; it
-restores from the store when it holds a snapshot), waits a random moment (often during the restore,
-often during a save: snapshots are taken every second) and SIGKILLs one place:
+restores from the store when it holds a snapshot), waits a random moment (``start``: within 1.5 s of
+the controller's start, so often during the restore; ``run``: a while into the run, often during a
+save, since snapshots are taken every second) and SIGKILLs one place:
 
 - ``controller``: the Single Controller's Ray worker process;
 - ``model``, ``agent``, ``resource``: one Gym server;
@@ -89,10 +90,10 @@ class Soak:
         for stale in ("gym.pids.json", "controller.pid"):
             (self.workdir / "run" / stale).unlink(missing_ok=True)
         job = self._job(f"cycle-{self.cycles:03d}")
-        moment = self.rng.choice(["restore", "run", "run"])
+        moment = self.rng.choice(["start", "run", "run"])
         place = self.rng.choice(self.places)
         try:
-            if moment == "restore":  # Gym is up and the controller exists: setup (the restore) is running
+            if moment == "start":  # Gym is up and the controller exists: setup (the restore, if any) is running
                 job.wait_for(lambda: pids_of(job, "controller"), "the controller", JOB_TIMEOUT_S)
                 time.sleep(self.rng.uniform(0.0, 1.5))
             else:
@@ -115,7 +116,7 @@ class Soak:
         job.kill()  # whatever is left of it
         if place == "s3":
             self.s3.start()
-        print(f"soak: cycle {self.cycles}: killed {place} during the {moment}; snapshots now "
+        print(f"soak: cycle {self.cycles}: killed {place} at the {moment}; snapshots now "
               f"{len(SnapshotStore(self.store).list())}", flush=True)
         return True
 

@@ -55,6 +55,19 @@ def test_a_run_with_saves_ends_like_an_uninterrupted_one(mode, fleet, tmp_path: 
     assert len(check_store(store)) <= CONFIG.keep_latest_k
     check_finished(job, reference_rows)
     job.kill()
+    token_nowhere(fleet.token, [tmp_path / "store", fleet.workdir, Path("/tmp/ray/session_latest/logs")])
+
+
+def token_nowhere(token: str, roots: list[Path]) -> None:
+    """The control token is in no snapshot file, no server log, no Ray log (only in its own file)."""
+    needle = token.encode()
+    seen = 0
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and path.name != "token":
+                seen += 1
+                assert needle not in path.read_bytes(), f"the control token leaked into {path}"
+    assert seen > 10  # the scan looked at something
 
 
 def _faults(job: InRayJob, **plan) -> None:
