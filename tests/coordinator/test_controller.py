@@ -15,6 +15,7 @@ from coordinator.accounting import content, trained_once
 from coordinator.errors import TooManyFailuresError
 from harness import CONFIG, WORKLOAD, InRayJob
 from schemas.errors import TopologyMismatchError
+from refgym.testing import wait_until
 from snapformat import SnapshotStore, verify_snapshot
 
 pytestmark = pytest.mark.usefixtures("tq_runtime")
@@ -200,3 +201,46 @@ def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_e
         job.kill()
     finally:
         fleet.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs (we run as root in CI); unmounted afterwards whatever happens."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.fail("cannot mount a tmpfs (the test needs root): disk-full behaviour would go unchecked")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_fails_saves_clearly_and_the_run_goes_on(fleet, small_disk: Path, reference_rows) -> None:
+    store = SnapshotStore(str(small_disk / "store"))
+    filler = small_disk / "filler"
+    import os
+
+    st = os.statvfs(small_disk)
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY)
+    try:  # leave 24 KiB: the store marker fits, a snapshot does not
+        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (24 << 10))
+    finally:
+        os.close(fd)
+    config = msgspec.structs.replace(CONFIG, max_consecutive_failures=1000)
+    job = InRayJob(fleet, store.url, config=config)
+    job.setup()
+    running = job.ctl.run.remote(120)
+    failed = wait_until(lambda: [s for s in job.call("saves_since", 0) if not s.published], "a failed save", 60)
+    assert "No space left" in failed[0].error or "ENOSPC" in failed[0].error or "disk" in failed[0].error.lower()
+    assert store.list() == []  # nothing partial is published
+    filler.unlink()  # space returns
+    outcome = ray.get(running)
+    assert outcome.done
+    later = job.call("save_now", True)
+    assert later.published, later.error
+    check_store(store)
+    check_finished(job, reference_rows)
+    job.kill()
