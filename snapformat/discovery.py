@@ -17,6 +17,9 @@ from snapformat import jsonl, layout
 from snapformat.store import Store
 
 _MAX_PROBES = 10_000
+#: Largest commit record, store marker or hint: far above what one holds (~250 bytes), and read
+#: with this limit so a huge file is refused without being read whole.
+MAX_SMALL_DOCUMENT = 64 * 1024
 
 
 def committed_sequences(store: Store) -> list[int]:
@@ -28,11 +31,12 @@ def committed_sequences(store: Store) -> list[int]:
 def read_commit(store: Store, sequence: int) -> CommitRecord:
     key = layout.commit_key(sequence)
     try:
-        data = store.read_bytes(key)
+        data = store.read_bytes(key, limit=MAX_SMALL_DOCUMENT)
     except FileNotFoundError:
         raise NotPublishedError(f"{store.display(key)}: sequence {sequence} is not committed") from None
-    if len(data) > 64 * 1024:
-        raise CorruptSnapshotError(f"{store.display(key)}: commit record of {len(data)} bytes is too large")
+    if len(data) > MAX_SMALL_DOCUMENT:
+        raise CorruptSnapshotError(
+            f"{store.display(key)}: commit record is too large (expected at most {MAX_SMALL_DOCUMENT} bytes)")
     rec = jsonl.decode_json(data, CommitRecord, store.display(key))
     check_readable(rec.format_version, [], store.display(key))
     layout.check_snapshot_id(rec.snapshot_id, where=f"{store.display(key)}: snapshot_id")
@@ -44,7 +48,9 @@ def read_commit(store: Store, sequence: int) -> CommitRecord:
 def _hinted_sequence(store: Store) -> int | None:
     """The hint's sequence, or None when it is missing or unreadable (it is advisory: never fatal)."""
     try:
-        data = store.read_bytes(layout.HINT_KEY)
+        data = store.read_bytes(layout.HINT_KEY, limit=MAX_SMALL_DOCUMENT)
+        if len(data) > MAX_SMALL_DOCUMENT:
+            return None
         return jsonl.decode_json(data, LatestHint, store.display(layout.HINT_KEY)).sequence
     except (FileNotFoundError, CorruptSnapshotError, InvalidRecordError):
         return None

@@ -26,6 +26,7 @@ from schemas.version import FORMAT_VERSION, check_readable
 from snapformat import jsonl, layout
 from snapformat.checksum import checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
+from snapformat.reader import MAX_JSON_PART_BYTES
 from snapformat.store import Store
 
 log = logging.getLogger("snapformat.publish")
@@ -45,9 +46,11 @@ def load_part(store: Store, snapshot_id: str, receipt: PartReceipt) -> PartManif
     key = layout.file_key(snapshot_id, rel)
     where = store.display(key)
     try:
-        data = store.read_bytes(key)
+        data = store.read_bytes(key, limit=MAX_JSON_PART_BYTES)
     except FileNotFoundError:
         raise CorruptSnapshotError(f"{where}: part manifest missing (writer {receipt.writer!r} did not close its part)") from None
+    if len(data) > MAX_JSON_PART_BYTES:  # a participant's file: bounded before it is read whole
+        raise CorruptSnapshotError(f"{where}: part manifest is too large (expected at most {MAX_JSON_PART_BYTES} bytes)")
     actual = checksum_bytes(data)
     if actual != receipt.part_manifest_checksum:
         raise CorruptSnapshotError(f"{where}: checksum {actual} differs from the receipt's {receipt.part_manifest_checksum}")

@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishedError
+from schemas.gym_records import TokenIndexEntry
 from schemas.identity import check_relative_path
 from schemas.manifest import CommitRecord, FileEntry, Manifest
 from schemas.version import check_readable
@@ -34,13 +35,14 @@ def load_manifest(store: Store, commit: CommitRecord) -> Manifest:
     if commit.manifest_size > MAX_MANIFEST_BYTES:
         raise CorruptSnapshotError(f"{where}: manifest of {commit.manifest_size} bytes exceeds {MAX_MANIFEST_BYTES}")
     try:
-        data = store.read_bytes(key)
+        data = store.read_bytes(key, limit=commit.manifest_size)
     except FileNotFoundError:
         raise CorruptSnapshotError(
             f"{where}: missing, but {commit_where} commits it as sequence {commit.sequence}") from None
     if len(data) != commit.manifest_size:
+        size = f"more than {commit.manifest_size}" if len(data) > commit.manifest_size else f"{len(data)}"
         raise CorruptSnapshotError(
-            f"{where}: size is {len(data)} bytes, the commit record {commit_where} says {commit.manifest_size}")
+            f"{where}: size is {size} bytes, the commit record {commit_where} says {commit.manifest_size}")
     actual = checksum_bytes(data, commit.manifest_checksum.partition(":")[0])
     if actual != commit.manifest_checksum:
         raise CorruptSnapshotError(
@@ -115,7 +117,7 @@ class Snapshot:
         """The stored bytes of one file, size (and checksum) checked."""
         where = self.where(entry)
         self.check_present(entry)
-        data = self.store.read_bytes(self.key(entry))
+        data = self.store.read_bytes(self.key(entry), limit=entry.size)  # the file may grow after the check
         if len(data) != entry.size:
             raise CorruptSnapshotError(f"{where}: read {len(data)} bytes, the manifest says {entry.size}")
         if verify:
@@ -197,7 +199,7 @@ class Snapshot:
                 return self._indexed_rows(target[0], entry, verify)
         raise NotPublishedError(f"{self.url}: no token rows indexed for {capture_key!r} call {model_call_id!r}")
 
-    def _indexed_rows(self, target: FileEntry, entry: Any, verify: bool) -> pa.Table:
+    def _indexed_rows(self, target: FileEntry, entry: TokenIndexEntry, verify: bool) -> pa.Table:
         """The rows a token-index entry names, refused when its batch or range lies outside the file
         (Arrow would raise an untyped error for the batch, and slice a short range silently)."""
         reader = self.open_rows(target, verify)

@@ -50,11 +50,11 @@ class SnapshotStore:
         """Refuse a folder that is not a snapshot store (or one of a newer major version)."""
         where = self.store.display(layout.MARKER_KEY)
         try:
-            data = self.store.read_bytes(layout.MARKER_KEY)
+            data = self.store.read_bytes(layout.MARKER_KEY, limit=discovery.MAX_SMALL_DOCUMENT)
         except FileNotFoundError:
             raise NotPublishedError(f"{self.store.url}: not a snapshot store ({layout.MARKER_KEY} is missing)") from None
-        if len(data) > 64 * 1024:
-            raise CorruptSnapshotError(f"{where}: too large")
+        if len(data) > discovery.MAX_SMALL_DOCUMENT:
+            raise CorruptSnapshotError(f"{where}: too large (expected at most {discovery.MAX_SMALL_DOCUMENT} bytes)")
         marker = jsonl.decode_json(data, StoreMarker, where)
         check_readable(marker.format_version, [], where)
 

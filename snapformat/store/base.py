@@ -65,8 +65,14 @@ class Store(abc.ABC):
         return self.url.rstrip("/") + "/" + key if key else self.url
 
     @abc.abstractmethod
-    def read_bytes(self, key: str) -> bytes:
-        """The whole object. Raises ``FileNotFoundError`` when it does not exist."""
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object, or with ``limit`` at most its first ``limit + 1`` bytes.
+
+        With a limit, a result longer than ``limit`` tells the caller the object is too large
+        without the whole of it being read into memory: documents with a size bound (commit
+        record, marker, hint, manifest) are refused before an untrusted size is allocated.
+        Raises ``FileNotFoundError`` when it does not exist.
+        """
 
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:

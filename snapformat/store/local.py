@@ -42,6 +42,26 @@ def _load_sync_file_range():
 _sync_file_range = _load_sync_file_range()
 
 
+#: Faults an operator must fix by hand, said in words (the errno name stays in the message).
+_FAULTS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+def _io_error(where: str, action: str, exc: OSError) -> StoreError:
+    """A :class:`StoreError` naming the file, what failed and, for a full or read-only disk, why.
+
+    Raise it ``from exc`` so the ``OSError`` stays the cause.
+    """
+    fault = _FAULTS.get(exc.errno)
+    detail = f"{fault} ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror})" if fault else str(exc)
+    return StoreError(f"{where}: cannot {action}: {detail}")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -51,11 +71,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _DurableFile(WriteStream):
-    """A file opened for exclusive creation whose ``close()`` flushes, fsyncs it and its folder."""
+    """A file opened for exclusive creation whose ``close()`` flushes, fsyncs it and its folder.
 
-    def __init__(self, path: Path, created_dirs: list[Path]) -> None:
+    I/O failures (a full or read-only disk above all) surface as :class:`StoreError` naming
+    ``where``, never as a bare ``OSError``: callers up to ``publish`` handle one error type.
+    """
+
+    def __init__(self, path: Path, created_dirs: list[Path], where: str) -> None:
         self._path = path
         self._created_dirs = created_dirs
+        self._where = where
         self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed in close()
         self.closed = False
         self._written = 0
@@ -64,8 +89,11 @@ class _DurableFile(WriteStream):
     def write(self, data) -> int:
         view = memoryview(data)
         total = 0
-        while total < len(view):
-            total += self._fh.write(view[total:])
+        try:
+            while total < len(view):
+                total += self._fh.write(view[total:])
+        except OSError as exc:
+            raise _io_error(self._where, "write", exc) from exc
         self._written += total
         if _sync_file_range is not None and self._written - self._handed_off >= WRITEBACK_EVERY:
             # A failure is ignored: this is only a hint, the fsync in close() decides.
@@ -82,20 +110,38 @@ class _DurableFile(WriteStream):
             return
         self.closed = True
         try:
-            os.fsync(self._fh.fileno())
-        finally:
-            self._fh.close()
-        _fsync_dir(self._path.parent)
-        for d in self._created_dirs:  # make each new folder's entry durable in its parent
-            _fsync_dir(d.parent)
+            try:
+                os.fsync(self._fh.fileno())  # where a disk that allocates late reports it is full
+            finally:
+                self._fh.close()
+            _fsync_dir(self._path.parent)
+            for d in self._created_dirs:  # make each new folder's entry durable in its parent
+                _fsync_dir(d.parent)
+        except OSError as exc:
+            raise _io_error(self._where, "make it durable", exc) from exc
 
     def abort(self) -> None:
-        """Close without making durable and remove the partial file."""
-        if not self.closed:
-            self.closed = True
-            self._fh.close()
-        self._path.unlink(missing_ok=True)
+        """Close without making durable and remove the partial file, as far as the disk lets.
 
+        Best effort: it runs while another error propagates, which it must not replace (on a
+        read-only file system the unlink fails too). A file left behind lies in an unpublished
+        draft, which GC sweeps.
+        """
+        try:
+            if not self.closed:
+                self.closed = True
+                self._fh.close()
+            self._path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _unlink_quietly(path: Path) -> None:
+    """Remove a temporary file while another outcome is being reported; GC sweeps what remains."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class LocalStore(Store):
@@ -128,15 +174,18 @@ class LocalStore(Store):
                 pass
         return created
 
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            if limit is None:
+                return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as fh:
+                return fh.read(limit + 1)
         except FileNotFoundError:
             raise
         except IsADirectoryError:
             raise FileNotFoundError(self.display(key)) from None
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot read: {exc}") from exc
+            raise _io_error(self.display(key), "read", exc) from exc
 
     def open_read(self, key: str) -> BinaryIO:
         try:
@@ -144,7 +193,7 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot open: {exc}") from exc
+            raise _io_error(self.display(key), "open", exc) from exc
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -153,50 +202,55 @@ class LocalStore(Store):
         path = self._path(key)
         try:
             created = self._makedirs(path.parent)
-            return _DurableFile(path, created)
+            return _DurableFile(path, created, self.display(key))
         except FileExistsError:
             raise
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot create: {exc}") from exc
+            raise _io_error(self.display(key), "create", exc) from exc
 
-    def _write_tmp(self, folder: Path, data: bytes) -> tuple[Path, list[Path]]:
+    def _write_tmp(self, key: str, folder: Path, data: bytes) -> tuple[Path, list[Path]]:
+        """Write ``data`` durably to a temporary file beside ``key``'s final name."""
         created = self._makedirs(folder)
         tmp = folder / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        with _DurableFile(tmp, []) as fh:
+        with _DurableFile(tmp, [], self.display(key)) as fh:  # the key is what the caller knows
             fh.write(data)
         return tmp, created
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
         try:
-            tmp, created = self._write_tmp(path.parent, data)
+            tmp, created = self._write_tmp(key, path.parent, data)
+        except OSError as exc:
+            raise _io_error(self.display(key), "write", exc) from exc
+        try:
             os.replace(tmp, path)
             _fsync_dir(path.parent)
             for d in created:
                 _fsync_dir(d.parent)
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot write: {exc}") from exc
+            _unlink_quietly(tmp)
+            raise _io_error(self.display(key), "write", exc) from exc
 
     def create_exclusive(self, key: str, data: bytes) -> None:
         path = self._path(key)
         try:
-            tmp, created = self._write_tmp(path.parent, data)
+            tmp, created = self._write_tmp(key, path.parent, data)
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot write: {exc}") from exc
+            raise _io_error(self.display(key), "write", exc) from exc
         try:
             os.link(tmp, path)
         except FileExistsError:
             raise CommitConflictError(f"{self.display(key)} already exists: another writer committed first") from None
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot commit: {exc}") from exc
+            raise _io_error(self.display(key), "commit", exc) from exc
         finally:
-            tmp.unlink(missing_ok=True)
+            _unlink_quietly(tmp)
         try:
             _fsync_dir(path.parent)
             for d in created:
                 _fsync_dir(d.parent)
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot make the commit durable: {exc}") from exc
+            raise _io_error(self.display(key), "make the commit durable", exc) from exc
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -207,7 +261,7 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise StoreError(f"{self.display(key)}: cannot stat: {exc}") from exc
+            raise _io_error(self.display(key), "stat", exc) from exc
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def list_names(self, prefix: str) -> list[str]:
@@ -218,7 +272,7 @@ class LocalStore(Store):
         except NotADirectoryError:
             return []
         except OSError as exc:
-            raise StoreError(f"{self.display(prefix)}: cannot list: {exc}") from exc
+            raise _io_error(self.display(prefix), "list", exc) from exc
 
     def walk(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self._path(prefix)
@@ -240,7 +294,7 @@ class LocalStore(Store):
             pass
         except OSError as exc:
             if exc.errno != errno.ENOENT:
-                raise StoreError(f"{self.display(key)}: cannot delete: {exc}") from exc
+                raise _io_error(self.display(key), "delete", exc) from exc
 
     def delete_tree(self, prefix: str) -> None:
         base = self._path(prefix)
@@ -257,4 +311,4 @@ class LocalStore(Store):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise StoreError(f"{self.display(prefix)}: cannot delete: {exc}") from exc
+            raise _io_error(self.display(prefix), "delete", exc) from exc

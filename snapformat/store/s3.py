@@ -141,22 +141,26 @@ class S3Store(Store):
         self._bucket_checked = True
 
     # -- reads -------------------------------------------------------------------------------
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         """One ranged GET for objects under ``part_size`` (commit records, hints, manifests); larger
         objects fetch the rest in ``part_size`` ranges, in parallel. A plain ``cat_file`` would HEAD
-        every object first to size it: two requests for each small read."""
+        every object first to size it: two requests for each small read. With ``limit``, no range
+        past byte ``limit`` is fetched."""
         self._check_bucket()
         path = self._path(key)
+        first_end = self.part_size if limit is None else min(self.part_size, limit + 1)
         try:
             try:
-                first = self.fs.cat_file(path, start=0, end=self.part_size)
+                first = self.fs.cat_file(path, start=0, end=first_end)
             except OSError as exc:
                 if _code(exc) == "InvalidRange":  # any range of an empty object is unsatisfiable
                     return self.fs.cat_file(path, max_concurrency=1)
                 raise
-            if len(first) < self.part_size:
+            if len(first) < first_end or (limit is not None and len(first) > limit):
                 return first
             size = int(self.fs.info(path)["size"])
+            if limit is not None:
+                size = min(size, limit + 1)
             starts = list(range(len(first), size, self.part_size))
             rest = self.fs.cat_ranges([path] * len(starts), starts, [min(s + self.part_size, size) for s in starts],
                                       batch_size=max(1, self.fs.max_concurrency), on_error="raise")

@@ -41,7 +41,7 @@ settings.register_profile(
 FUZZ = settings.get_profile(PROFILE)
 
 #: Per test: generous for the default examples, scaled for ``make fuzz``.
-TIMEOUT = pytest.mark.timeout(90 + EXAMPLES // 20)
+TIMEOUT = pytest.mark.timeout(120 + EXAMPLES // 10)
 
 #: Address space a single read may add. Inputs are at most ~100 KB, so a read that needs more than
 #: this allocates for what a header claims, not for what the bytes hold. It stays well above what a

@@ -81,11 +81,12 @@ class MemoryStore(Store):
         self.url = url
         self.files = dict(files)
 
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         try:
-            return self.files[key]
+            data = self.files[key]
         except KeyError:
             raise FileNotFoundError(self.display(key)) from None
+        return data if limit is None else data[:limit + 1]
 
     def open_read(self, key: str) -> BinaryIO:
         return io.BytesIO(self.read_bytes(key))

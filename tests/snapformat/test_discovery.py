@@ -34,9 +34,9 @@ class _CountingStore(LocalStore):
     def _count(self, name: str) -> None:
         self.calls[name] += 1
 
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         self._count("read_bytes")
-        return super().read_bytes(key)
+        return super().read_bytes(key, limit)
 
     def open_read(self, key: str):
         self._count("open_read")

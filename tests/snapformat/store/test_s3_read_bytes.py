@@ -1,5 +1,6 @@
 """``S3Store.read_bytes``: one ranged GET for small objects, parallel ranges for large ones, and
-exactly the stored bytes at every size around the range boundary (empty objects included)."""
+exactly the stored bytes at every size around the range boundary (empty objects included); with a
+limit, exactly the first ``limit + 1`` bytes, and one GET when the limit is below the part size."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ def test_read_bytes_every_size(store: S3Store, size: int) -> None:
     data = bytes((i * 7 + size) % 251 for i in range(size))
     store.put_bytes("obj", data)
     assert store.read_bytes("obj") == data
+
+
+@pytest.mark.parametrize("limit", [0, PART - 2, PART - 1, PART, PART + 3, 2 * PART])
+def test_limited_read_stops_after_limit_plus_one_byte(store: S3Store, limit: int) -> None:
+    data = bytes((i * 7) % 251 for i in range(3 * PART + 17))
+    store.put_bytes("obj", data)
+    assert store.read_bytes("obj", limit=limit) == data[:limit + 1]
+
+
+def test_limited_read_of_a_large_object_is_one_request(store: S3Store) -> None:
+    """A commit record that is really a huge object costs one small ranged GET, not the object."""
+    store.put_bytes("huge.json", bytes(3 * PART))
+    store.read_bytes("huge.json", limit=10)
+    calls = _count_gets_and_heads(store)
+    assert store.read_bytes("huge.json", limit=64 * 1024) == bytes(64 * 1024 + 1)
+    assert calls == Counter({"GetObject": 1})
 
 
 def test_small_read_is_one_request(store: S3Store) -> None:

@@ -38,6 +38,15 @@ class StoreConformance:
         with pytest.raises(FileNotFoundError):
             store.info("nope/x")
 
+    def test_read_bytes_with_a_limit_reads_at_most_one_byte_more(self, store: Store) -> None:
+        """How readers refuse an oversized commit record or manifest without reading it whole."""
+        data = bytes(range(256)) * 40
+        store.put_bytes("limited", data)
+        for limit in (0, 9, len(data) - 1, len(data), len(data) + 5):
+            assert store.read_bytes("limited", limit=limit) == data[:limit + 1]
+        with pytest.raises(FileNotFoundError):
+            store.read_bytes("nope/x", limit=10)
+
     def test_large_object_in_parts(self, store: Store) -> None:
         data = bytes(range(256)) * (48 * 1024)  # 12 MiB: several parts on object stores
         with store.open_write("big/blob") as fh:
