@@ -3,9 +3,17 @@
     python -m benchmarks.run                      # every section, 1 GiB of rows, 3 repeats
     python -m benchmarks.run --quick              # 128 MiB, 2 repeats -> results/<section>-quick.md
     python -m benchmarks.run --size-gib 4 --section format
+    python -m benchmarks.run --quick --section pause --section restore
+
+Sections: ``format``, ``s3``, ``gym``, and (issue 6) ``tq`` (the TQ adapter vs TransferQueue's own
+checkpoint), ``pause`` (the save pause vs rollouts and bytes), ``restore`` (restore vs a raw read),
+``discovery`` (``latest()`` and ``snapformat show`` vs snapshots in the store), ``memory`` (peak RSS
+of saving and loading vs bytes). ``--size-gib`` and ``--repeats`` apply to ``format`` and ``s3``;
+the others have their own sizes (``--quick`` picks the small ones).
 
 Each section writes ``results/<section>.md`` (the committed report: machine, command, table) and
-``results/<section>.json`` (every measured time; git-ignored). Add a section by adding a function
+``results/<section>.json`` (every measured time; git-ignored); the issue-6 sections also write PNG
+plots (``results/<name>.png``, matplotlib, Agg backend). Add a section by adding a function
 to ``SECTIONS`` that takes the parsed options and a log function and returns ``(markdown, data)``.
 """
 
@@ -57,11 +65,55 @@ def _gym_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[
     return gym_bench.markdown(result), result
 
 
-#: name -> section runner; each returns (markdown body, JSON-able data).
+def _tq_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import tq_bench
+
+    result = tq_bench.run(tq_bench.QUICK if opts.quick else tq_bench.FULL, opts.quick, opts.scratch, opts.results,
+                          say)
+    return tq_bench.markdown(result), result
+
+
+def _pause_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import controller_bench
+
+    result = controller_bench.pause_results(opts.quick, opts.scratch, say)
+    return controller_bench.pause_markdown(result, opts.results), result
+
+
+def _restore_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import controller_bench
+
+    result = controller_bench.restore_results(opts.quick, opts.scratch, say)
+    return controller_bench.restore_markdown(result, opts.results), result
+
+
+def _discovery_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import discovery_bench
+
+    result = discovery_bench.run(discovery_bench.QUICK if opts.quick else discovery_bench.FULL, opts.quick,
+                                 opts.scratch, opts.results, say)
+    return discovery_bench.markdown(result), result
+
+
+def _memory_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import memory_bench
+
+    result = memory_bench.run(memory_bench.QUICK if opts.quick else memory_bench.FULL, opts.quick, opts.scratch,
+                              opts.results, say)
+    return memory_bench.markdown(result), result
+
+
+#: name -> section runner; each returns (markdown body, JSON-able data). ``restore`` restores the
+#: snapshots ``pause`` published in this process (run alone, it takes the pause measurements first).
 SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[str, dict]]] = {
     "format": _format_section,
     "s3": _s3_section,
     "gym": _gym_section,
+    "tq": _tq_section,
+    "pause": _pause_section,
+    "restore": _restore_section,
+    "discovery": _discovery_section,
+    "memory": _memory_section,
 }
 
 
@@ -174,18 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     log(f"benchmarks: {command}")
     log(f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
         f"load {info['load_average_at_start']}")
-    for name in opts.section or list(SECTIONS):
-        t0 = time.perf_counter()
-        body, data = SECTIONS[name](opts, log)
-        stem = f"{name}-quick" if opts.quick else name
-        md = body.split("\n\n", 1)
-        report = f"{md[0]}\n\n{_machine_markdown(info, command)}\n\n{md[1] if len(md) > 1 else ''}".rstrip() + "\n"
-        (opts.results / f"{stem}.md").write_text(report)
-        (opts.results / f"{stem}.json").write_text(
-            json.dumps({"section": name, "command": command, "machine": info, "result": data}, indent=2) + "\n")
-        print()
-        print(report, flush=True)
-        log(f"{name}: done in {time.perf_counter() - t0:.0f} s; wrote {opts.results / (stem + '.md')} and .json")
+    try:
+        for name in opts.section or list(SECTIONS):
+            t0 = time.perf_counter()
+            body, data = SECTIONS[name](opts, log)
+            stem = f"{name}-quick" if opts.quick else name
+            md = body.split("\n\n", 1)
+            report = f"{md[0]}\n\n{_machine_markdown(info, command)}\n\n{md[1] if len(md) > 1 else ''}".rstrip() + "\n"
+            (opts.results / f"{stem}.md").write_text(report)
+            (opts.results / f"{stem}.json").write_text(
+                json.dumps({"section": name, "command": command, "machine": info, "result": data}, indent=2) + "\n")
+            print()
+            print(report, flush=True)
+            log(f"{name}: done in {time.perf_counter() - t0:.0f} s; wrote {opts.results / (stem + '.md')} and .json")
+    finally:
+        if "benchmarks.common" in sys.modules:  # the Ray + TQ of the tq / pause / restore sections, if started
+            sys.modules["benchmarks.common"].close_all()
     return 0
 
 
