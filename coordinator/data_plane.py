@@ -535,20 +535,25 @@ def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
         part = PartitionRows(pid, pkeys, [tags[i] for i in idx], {n: s for n, (s, _) in specs.items()},
                              position=positions.get(pid))
         if len(idx):
+            contiguous = bool(idx[-1] - idx[0] + 1 == len(idx))
             taken = {}
             presence = {}
             for name in specs:
                 if name not in table.column_names:
                     raise InvalidRecordError(f"{where}: layout names field {name!r} but the table has no such column")
-                col = table.column(name).take(pa.array(idx))
+                col = table.column(name)
+                # A partition written by build_table is one run of rows: a slice shares the buffers,
+                # where take would copy every value (most of a large restore's time).
+                col = col.slice(int(idx[0]), len(idx)) if contiguous else col.take(pa.array(idx))
                 col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
                 taken[name] = col
                 presence[name] = col.is_valid().to_numpy(zero_copy_only=False)
             for rows, names in group_by_presence(presence, len(idx)):
-                sel = pa.array(rows)
+                whole = len(rows) == len(idx)  # one group holds every row: no selection to copy
+                sel = None if whole else pa.array(rows)
                 part.groups.append(RowGroup(rows, {
-                    name: _field_from_column(taken[name].take(sel), specs[name][0], specs[name][1],
-                                             f"{where} partition {pid!r} field {name!r}")
+                    name: _field_from_column(taken[name] if whole else taken[name].take(sel), specs[name][0],
+                                             specs[name][1], f"{where} partition {pid!r} field {name!r}")
                     for name in names}))
         out.append(part)
     return out
