@@ -112,20 +112,6 @@ def _repeat(batches: list, target: int) -> Iterator:
                 return
 
 
-def _touch_table(table) -> int:
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    n = 0
-    for col in table.columns:
-        for chunk in col.chunks:
-            for buf in chunk.buffers():
-                if buf is not None:
-                    h.update(buf)
-                    n += buf.size
-    return n
-
-
 def child(op: str, size: int, store: str) -> dict[str, Any]:
     import pyarrow as pa  # noqa: F401  (imported before the baseline, like the library)
     import xxhash
@@ -155,7 +141,9 @@ def child(op: str, size: int, store: str) -> dict[str, Any]:
         elif op == "load_mmap":
             snap = SnapshotStore(store).latest()
             table = snap.read_table("tokens", verify=True)
-            out["touched_bytes"] = _touch_table(table)
+            from benchmarks.format_bench import touch_table
+
+            out["touched_bytes"] = touch_table(table)
             out["rows"] = table.num_rows
             del table
         elif op == "load_stream":
