@@ -33,14 +33,10 @@ def content(tables: dict[str, pa.Table]) -> dict[str, dict[str, dict[str, Any]]]
     return out
 
 
-def differences(expected: dict[str, pa.Table], actual: dict[str, pa.Table], limit: int = 10) -> list[str]:
-    """Human-readable differences between two runs' final rows (empty when they are equal)."""
-    return content_differences(content(expected), content(actual), limit)
-
-
-def content_differences(a: dict[str, dict[str, dict[str, Any]]], b: dict[str, dict[str, dict[str, Any]]],
-                        limit: int = 10) -> list[str]:
-    """:func:`differences` of two :func:`content` results."""
+def differences(a: dict[str, dict[str, dict[str, Any]]], b: dict[str, dict[str, dict[str, Any]]],
+                limit: int = 10) -> list[str]:
+    """Human-readable differences between two runs' final rows, as :func:`content` gives them
+    (empty when they are equal)."""
     out: list[str] = []
     for kind in (TRAINING, TOKEN_CAPTURE):
         missing = sorted(set(a[kind]) - set(b[kind]))

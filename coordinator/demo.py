@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import pyarrow as pa
 
-from coordinator.accounting import differences, trained_once
+from coordinator.accounting import content, differences, trained_once
 from coordinator.config import ControllerConfig
 from coordinator.job_process import JobProcess
 from coordinator.workload import Workload
@@ -46,6 +46,17 @@ def saves_of(workdir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def reference_content(workdir: Path, workload: Workload, config: ControllerConfig,
+                      model_slow_ms: int) -> dict[str, Any]:
+    """The final rows of an uninterrupted run (no snapshots), as :func:`~coordinator.accounting.content`."""
+    ref = JobProcess(str(workdir / "reference-store"), workdir / "reference", workload=workload,
+                     config=msgspec.structs.replace(config, snapshot_attempt_interval_s=None),
+                     model_slow_ms=model_slow_ms, outcome=workdir / "reference" / "outcome.json")
+    if ref.wait(JOB_TIMEOUT_S) != 0:
+        raise RuntimeError(f"the uninterrupted reference run failed:\n{ref.tail()}")
+    return content(tables_of(ref.outcome()))
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -56,14 +67,9 @@ def run_demo(store: str, workdir: Path, workload: Workload, config: ControllerCo
          f"{workload.min_turns}-{workload.max_turns} turns each; store {run_store}; logs in {workdir}")
 
     _say("\n== 1. an uninterrupted run, for reference (no snapshots)")
-    ref = JobProcess(str(workdir / "reference-store"), workdir / "reference", workload=workload,
-                     config=msgspec.structs.replace(config, snapshot_attempt_interval_s=None),
-                     model_slow_ms=model_slow_ms, outcome=workdir / "reference" / "outcome.json")
-    if ref.wait(JOB_TIMEOUT_S) != 0:
-        _say(ref.tail())
-        return 1
-    expected = ref.outcome()
-    _say(f"   finished in {expected['outcome']['seconds']:.1f}s")
+    t0 = time.monotonic()
+    expected = reference_content(workdir, workload, config, model_slow_ms)
+    _say(f"   done in {time.monotonic() - t0:.1f}s (the job's start included)")
 
     _say(f"\n== 2. the same run with a snapshot every {config.snapshot_attempt_interval_s}s; "
          "SIGKILL every process mid-run")
@@ -108,7 +114,7 @@ def run_demo(store: str, workdir: Path, workload: Workload, config: ControllerCo
 
     _say("\n== 5. check against the uninterrupted run")
     ids = [s.rollout_id for i in range(workload.prompts) for s in workload.group(i)]
-    problems = differences(tables_of(expected), tables_of(actual)) + trained_once(actual["records"], ids)
+    problems = differences(expected, content(tables_of(actual))) + trained_once(actual["records"], ids)
     rows = {k: t.num_rows for k, t in tables_of(actual).items()}
     if problems:
         for p in problems:

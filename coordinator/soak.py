@@ -34,9 +34,9 @@ from typing import Any
 
 import msgspec
 
-from coordinator.accounting import content, content_differences, trained_once
+from coordinator.accounting import content, differences, trained_once
 from coordinator.config import ControllerConfig
-from coordinator.demo import saves_of, tables_of
+from coordinator.demo import reference_content, saves_of, tables_of
 from coordinator.job_process import JobProcess, process_tree
 from coordinator.workload import Workload
 from snapformat import SnapshotStore, verify_snapshot
@@ -145,17 +145,6 @@ class Soak:
         return job.outcome()
 
 
-def reference_content(workdir: Path, workload: Workload, config: ControllerConfig,
-                      model_slow_ms: int) -> dict[str, Any]:
-    """The final rows of an uninterrupted run (no snapshots), as :func:`~coordinator.accounting.content`."""
-    ref = JobProcess(str(workdir / "reference-store"), workdir / "reference", workload=workload,
-                     config=msgspec.structs.replace(config, snapshot_attempt_interval_s=None),
-                     model_slow_ms=model_slow_ms, outcome=workdir / "reference" / "outcome.json")
-    if ref.wait(JOB_TIMEOUT_S) != 0:
-        raise RuntimeError(f"the uninterrupted reference run failed:\n{ref.tail()}")
-    return content(tables_of(ref.outcome()))
-
-
 def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: int, workload: Workload,
              config: ControllerConfig, model_slow_ms: int, s3: Any = None, expected: dict[str, Any] | None = None,
              places: tuple[str, ...] | None = None) -> tuple[int, Soak]:
@@ -171,7 +160,7 @@ def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: i
             break
     actual = soak.finish()
     ids = [s.rollout_id for i in range(workload.prompts) for s in workload.group(i)]
-    lost = content_differences(expected, content(tables_of(actual))) + trained_once(actual["records"], ids)
+    lost = differences(expected, content(tables_of(actual))) + trained_once(actual["records"], ids)
     snaps = SnapshotStore(store)
     bad = [c.sequence for c in snaps.list() if not verify_snapshot(snaps.open(c.sequence)).ok]
     lost += [f"snapshot {s} does not verify" for s in bad]

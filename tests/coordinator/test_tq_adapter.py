@@ -229,15 +229,12 @@ def test_a_deferred_cut_whose_rows_changed_underneath_is_refused(tq_plane: TQDat
 def test_a_transferqueue_that_stops_answering_fails_the_call_at_its_deadline(tq_plane, monkeypatch) -> None:
     """TQ's client would wait forever on a dead storage unit; the adapter gives up with a clear error."""
     import threading
-    import time
 
     release = threading.Event()
     monkeypatch.setattr(tq, "kv_list", lambda *a, **k: release.wait(30))
     plane = TQDataPlane(call_timeout_s=0.5)
-    t0 = time.monotonic()
-    try:
+    try:  # without the bound, kv_list would answer (True) after 30 s and is_empty would not raise
         with pytest.raises(tq_adapter.DataPlaneError, match=r"TransferQueue did not answer list within"):
             plane.is_empty()
-        assert time.monotonic() - t0 < 5
     finally:
         release.set()
