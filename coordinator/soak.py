@@ -32,7 +32,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import msgspec
 
 from coordinator.accounting import content, differences, trained_once
 from coordinator.config import ControllerConfig
