@@ -16,9 +16,7 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 from coordinator import ray_runtime  # noqa: F401  (keeps Ray on 127.0.0.1: imported before ray)
 
