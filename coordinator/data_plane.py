@@ -33,6 +33,7 @@ This module needs numpy and pyarrow only: no Ray, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -193,6 +195,44 @@ class PartitionRows:
     position: int | None = None  # place among all the data plane's partitions, when a layout recorded it
 
 
+def unify_specs(specs: list[FieldSpec], where: str) -> FieldSpec:
+    """One layout for a field read in several gets: they must agree, except that a field TQ calls
+    dense but whose rows differ in length somewhere is ragged everywhere."""
+    distinct = set(specs)
+    if len(distinct) == 1:
+        return specs[0]
+    if len({dataclasses.replace(s, nested=False) for s in distinct}) == 1:
+        return dataclasses.replace(specs[0], nested=True)
+    raise InvalidRecordError(f"{where}: layouts differ between rows: {sorted(map(str, distinct))}")
+
+
+def concat_fields(parts: list[FieldData], spec: FieldSpec) -> FieldData:
+    """One field's values of several row groups, one after the other (no copy for a single part)."""
+    if len(parts) == 1:
+        return parts[0]
+    if spec.type == "object":
+        return FieldData([v for p in parts for v in p.values])
+    values = np.concatenate([p.values for p in parts], axis=0)
+    if spec.ndim == 0:
+        return FieldData(values)
+    # Every part's offsets start at 0: shift each by the values of the parts before it, in one go.
+    counts = np.fromiter((len(p.offsets) - 1 for p in parts), dtype=np.int64, count=len(parts))
+    totals = np.fromiter((int(p.offsets[-1]) for p in parts), dtype=np.int64, count=len(parts))
+    bases = np.repeat(np.concatenate([[0], np.cumsum(totals)[:-1]]), counts)
+    tails = np.concatenate([p.offsets[1:] for p in parts]) + bases
+    return FieldData(values, np.concatenate([np.zeros(1, dtype=np.int64), tails]))
+
+
+def slice_field(fd: FieldData, spec: FieldSpec, start: int, stop: int) -> FieldData:
+    """Rows ``[start, stop)`` of one field's values (views, not copies)."""
+    if spec.type == "object":
+        return FieldData(list(fd.values[start:stop]))
+    if spec.ndim == 0:
+        return FieldData(fd.values[start:stop])
+    off = fd.offsets[start:stop + 1]
+    return FieldData(fd.values[int(off[0]):int(off[-1])], off - off[0])
+
+
 def check_json_value(value: Any, where: str) -> None:
     """Refuse what JSON would not give back unchanged (tuples, non-string keys, numpy scalars...)."""
     stack = [value]
@@ -217,6 +257,28 @@ def check_json_value(value: Any, where: str) -> None:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+_JSON_ENCODE = msgspec.json.Encoder().encode
+_JSON_DECODE = msgspec.json.Decoder().decode
+
+
+def json_texts(values: Sequence[Any], where: str) -> list[bytes]:
+    """Each value as compact JSON text (UTF-8), refusing any that JSON would not give back equal.
+
+    The common case (plain dicts, lists, strings and numbers) is one msgspec encode per value and
+    one decode of them all, compared with the originals; anything else (tuples, non-string keys,
+    numpy scalars, NaN) takes :func:`check_json_value`, which names what is wrong.
+    """
+    try:
+        texts = [_JSON_ENCODE(v) for v in values]
+        if _JSON_DECODE(b"[" + b",".join(texts) + b"]") == list(values):
+            return texts
+    except (TypeError, ValueError, msgspec.MsgspecError):
+        pass
+    for i, v in enumerate(values):
+        check_json_value(v, f"{where} (value {i})")
+    return [_dumps(v).encode() for v in values]
 
 
 # ------------------------------- numpy <-> Arrow, one field --------------------------------------
@@ -253,9 +315,7 @@ def _tensor_column(fd: FieldData, spec: FieldSpec, n: int, where: str) -> pa.Arr
 
 def _object_column(values: list[Any], as_json: bool, where: str) -> pa.Array:
     if as_json:
-        for v in values:
-            check_json_value(v, where)
-        return pa.array([_dumps(v) for v in values], type=pa.string())
+        return pa.array(json_texts(values, where), type=pa.string())
     return pa.array(values, type=pa.string())
 
 
@@ -421,10 +481,11 @@ def build_table(kind: str, partitions: Sequence[PartitionRows], positions: Seque
             KEY_COLUMN: pa.array(part.keys, type=pa.string()),
             PARTITION_COLUMN: pa.array([part.partition_id] * n, type=pa.string()),
         }
+        tag_names = set().union(*part.tags) if part.tags else set()
         for f in schema:  # a required column that is not a field comes from the tag of that name
             if f.name in RESERVED_COLUMNS or f.name in part.specs:
                 continue
-            if any(f.name in t for t in part.tags):
+            if f.name in tag_names:
                 try:
                     cols[f.name] = pa.array([t.get(f.name) for t in part.tags], type=f.type)
                 except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
@@ -440,9 +501,7 @@ def build_table(kind: str, partitions: Sequence[PartitionRows], positions: Seque
                     "one column of a row table cannot hold both")
             field_types.setdefault(name, (arrow_t, part.partition_id))
             cols[name] = _spread(chunks[name], n, arrow_t)
-        for tag_i, tag in enumerate(part.tags):
-            check_json_value(tag, f"{where} key {part.keys[tag_i]!r} tag")
-        cols[TAGS_COLUMN] = pa.array([_dumps(t) for t in part.tags], type=pa.string())
+        cols[TAGS_COLUMN] = pa.array(json_texts(part.tags, f"{where} tags"), type=pa.string())
         tables.append(pa.table(cols))
         layout_parts.append({"id": part.partition_id, "position": int(position), "fields": {
             name: spec.to_json(as_json.get(name, False)) for name, spec in part.specs.items()}})
@@ -474,6 +533,31 @@ def layout_of(schema: pa.Schema) -> dict[str, Any] | None:
     return json.loads(raw) if raw is not None else None
 
 
+def _tags_of(texts: list[str | None], where: str) -> list[Any]:
+    """The ``row_tags`` texts as values (a null is an empty tag): msgspec first, which is ten times
+    faster; Python's ``json`` for what msgspec refuses (NaN, very deep nesting), naming the row."""
+    try:
+        return [_JSON_DECODE(t) if t is not None else {} for t in texts]
+    except (msgspec.MsgspecError, RecursionError):
+        pass
+    out = []
+    for i, t in enumerate(texts):
+        try:
+            out.append(json.loads(t) if t is not None else {})
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidRecordError(f"{where}: row_tags of row {i} is not JSON: {exc}") from None
+    return out
+
+
+def _one_array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """``col`` as one array: its only chunk as it is (``combine_chunks`` would copy even that one)."""
+    if not isinstance(col, pa.ChunkedArray):
+        return col
+    if col.num_chunks == 1:
+        return col.chunk(0)
+    return col.combine_chunks()
+
+
 def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
     """The partitions a row table holds, in the neutral form (inverse of :func:`build_table`)."""
     try:
@@ -488,10 +572,7 @@ def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
     if any(k is None for k in keys) or any(p is None for p in pids):
         raise InvalidRecordError(f"{where}: null key or partition_id")
     if TAGS_COLUMN in table.column_names:
-        try:
-            tags = [json.loads(t) if t is not None else {} for t in table.column(TAGS_COLUMN).to_pylist()]
-        except json.JSONDecodeError as exc:
-            raise InvalidRecordError(f"{where}: row_tags is not JSON: {exc}") from None
+        tags = _tags_of(table.column(TAGS_COLUMN).to_pylist(), where)
     else:
         tags = [{} for _ in keys]
     order: list[str] = []
@@ -545,7 +626,7 @@ def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
                 # A partition written by build_table is one run of rows: a slice shares the buffers,
                 # where take would copy every value (most of a large restore's time).
                 col = col.slice(int(idx[0]), len(idx)) if contiguous else col.take(pa.array(idx))
-                col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+                col = _one_array(col)
                 taken[name] = col
                 presence[name] = col.is_valid().to_numpy(zero_copy_only=False)
             for rows, names in group_by_presence(presence, len(idx)):
@@ -964,6 +1045,6 @@ __all__ = [
     "ReadyCut",
     "FieldData", "FieldSpec", "FILE_NAMES", "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows",
     "Ragged", "RowGroup", "TOKEN_CAPTURE", "TRAINING", "build_table", "check_json_value", "group_by_presence",
-    "field_data", "layout_of", "parse_table", "rows_of", "write_cut",
+    "concat_fields", "field_data", "layout_of", "slice_field", "unify_specs", "parse_table", "rows_of", "write_cut",
 ]
 

@@ -16,6 +16,12 @@ Reading uses TQ's public KV API plus three calls of its client that 0.1.11 does 
 (``_get_partition_meta`` for the field schema and ``_clear_partition_in_controller`` to remove an
 empty partition; ``_run_coroutine`` to call them): they are confined to :class:`_TQ`.
 
+A save does not read back the rows this adapter put: with ``write_once`` it keeps each put's values
+(:mod:`coordinator.tq_capture`), because TQ's own reads move every row's every field one tensor at a
+time (tens of MB/s). Only keys it did not put (another producer's, or past the capture's bound) are
+read with ``kv_batch_get``. A restore likewise returns once the snapshot's rows are read and kept:
+a thread registers every key in TQ in order, then puts the values (:class:`BackgroundLoad`).
+
 What a restore does not bring back: TQ's global indexes themselves (new ones are allocated in key
 order; a fresh TQ hands them out ascending, one that reuses released indexes in its own order), the
 schema entries of fields no key holds any more, and per-task consumption state, which the KV API
@@ -24,25 +30,29 @@ does not expose.
 
 from __future__ import annotations
 
-import dataclasses
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from coordinator import ray_runtime  # noqa: F401  (sets the loopback variable before ray is imported)
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from tensordict.tensorclass import NonTensorData, NonTensorStack  # noqa: E402
 
 from coordinator.data_plane import (  # noqa: E402
     DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError, DeferredCut, FieldData, FieldSpec, InvalidRecordError,
-    PartitionRows, RowGroup, field_data, group_by_presence, rows_of,
+    PartitionRows, RowGroup, concat_fields, field_data, group_by_presence, rows_of, slice_field, unify_specs,
 )
+from coordinator.tq_capture import DEFAULT_MAX_BYTES, PartitionPlan, RowCapture, assemble  # noqa: E402
+from coordinator.tq_tensors import from_tq, to_tq  # noqa: E402
+
+log = logging.getLogger("coordinator.tq_adapter")
 
 _EMPTY_PARTITION_PROBE = "__dataplane_empty_partition_probe__"
 
@@ -118,51 +128,88 @@ class TQDataPlane(DataPlane):
     """TransferQueue as a :class:`~coordinator.data_plane.DataPlane` (TQ must be initialised).
 
     ``chunk_rows`` bounds how many keys one ``kv_batch_get`` / ``kv_batch_put`` carries (0: all of
-    a partition's group at once).
+    a partition's group at once); a background load puts at most ``load_chunk_rows`` per call.
+
+    With ``write_once`` (every key is put once, through this adapter, with all its fields, and not
+    changed while it exists), the adapter keeps what it puts (:mod:`coordinator.tq_capture`, up to
+    ``capture_max_bytes``; 0 keeps nothing), so that a save reads nothing back out of TQ but the
+    keys it did not put; and ``background_load`` lets a restore return as soon as the snapshot's
+    rows are read, putting them into TQ from a thread (see :meth:`restore_partitions`).
     """
 
     def __init__(self, token_capture_partitions: Iterable[str] | Callable[[str], bool] | None = None,
                  chunk_rows: int = 0, write_once: bool = True,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, capture_max_bytes: int = DEFAULT_MAX_BYTES,
+                 background_load: bool = True, load_chunk_rows: int = 1024) -> None:
         super().__init__(token_capture_partitions)
         self.chunk_rows = chunk_rows
         self.call_timeout_s = call_timeout_s
         self.write_once = write_once
+        self.background_load = background_load and write_once
+        self.load_chunk_rows = load_chunk_rows
         self._written: set[tuple[str, str]] = set()  # (partition, key) put or loaded through this adapter
+        self.capture = RowCapture(capture_max_bytes) if write_once and capture_max_bytes > 0 else None
+        self._loading: BackgroundLoad | None = None
 
     def _tq(self) -> _TQ:
         return _TQ(self.call_timeout_s)
 
+    # -------------------------------------------------------------------- cut
+
     def deferred_cut(self) -> DeferredCut:
-        """With ``write_once`` (every key is put once, never changed or removed while a save is in
-        flight), the pause keeps only TQ's listing (partitions, keys, tags): its time grows with the
-        number of keys, not the bytes. The values are read later by :meth:`DeferredCut.materialize`,
-        which checks that every listed key still has its tag."""
+        """With ``write_once``, the pause keeps only TQ's listing (partitions, keys, tags) and, for
+        the keys this adapter put, references to the rows it kept: its time grows with the number of
+        keys, not the bytes. :meth:`DeferredCut.materialize` reads the other keys' values later and
+        checks that each of those still has its tag."""
         if not self.write_once:
             return super().deferred_cut()
         started = time.perf_counter()
+        self._await_registered()
         listing = self._tq().list()
-        return _ListingCut(self, listing, time.time(), time.perf_counter() - started)
-
-    # -------------------------------------------------------------------- cut
+        plans = self._plan(listing)
+        return _PlannedCut(self, listing, plans, time.time(), time.perf_counter() - started)
 
     def cut(self) -> DataPlaneCut:
-        """Read every row out of TQ. Call it while TQ's producers are held at the barrier.
+        """Every row, now. Call it while TQ's producers are held at the barrier.
 
         The listing (partitions, keys, tags) is taken again at the end; if it changed, rows were
         written during the cut and :class:`DataPlaneChangedError` is raised.
         """
         started = time.perf_counter()
         taken_at = time.time()
+        self._await_registered()
         t = self._tq()
         listing = t.list()
-        parts = [self._read_partition(t, pid, key_tags) for pid, key_tags in listing.items()]
+        parts = self._read_planned(t, self._plan(listing))
         if t.list() != listing:
             raise DataPlaneChangedError("TransferQueue's keys or tags changed while the cut was read "
                                         "(its producers were not held at the barrier)")
         return self._make_cut(parts, started, taken_at)
 
-    def _read_partition(self, t: _TQ, pid: str, key_tags: dict[str, Any]) -> PartitionRows:
+    def _plan(self, listing: dict[str, dict[str, Any]]) -> list[PartitionPlan]:
+        if self.capture is not None:
+            return self.capture.resolve(listing)
+        return [PartitionPlan(pid, list(kt), [dict(kt[k]) for k in kt], (), np.arange(len(kt), dtype=np.int64), ())
+                for pid, kt in listing.items()]
+
+    def _read_planned(self, t: _TQ, plans: Sequence[PartitionPlan]) -> list[PartitionRows]:
+        """The partitions of ``plans``: captured runs as kept, misses read from TQ."""
+        if any(len(p.misses) for p in plans) and self._loading is not None:
+            self._loading.wait(self.call_timeout_s)  # a miss may be a restored key whose values are on their way
+            self._check_loading()
+        out = []
+        for plan in plans:
+            if not len(plan.misses):
+                out.append(assemble(plan))
+                continue
+            schema = t.field_schema(plan.partition_id)
+            missed = self._read_partition(t, plan.partition_id,
+                                          {plan.keys[i]: plan.tags[i] for i in plan.misses}, schema)
+            out.append(assemble(plan, missed, list(schema)))
+        return out
+
+    def _read_partition(self, t: _TQ, pid: str, key_tags: dict[str, Any],
+                        schema: dict[str, dict[str, Any]] | None = None) -> PartitionRows:
         keys = list(key_tags)
         if not keys:
             return PartitionRows(pid, [], [], {}, [])
@@ -170,7 +217,7 @@ class TQDataPlane(DataPlane):
         if len(gis) != len(keys):
             raise DataPlaneChangedError(
                 f"partition {pid!r}: {len(keys) - len(gis)} listed keys vanished during the cut")
-        schema = t.field_schema(pid)
+        schema = t.field_schema(pid) if schema is None else schema
         presence = {}
         for name in schema:
             gi, ok = t.produced(pid, name)
@@ -189,10 +236,10 @@ class TQDataPlane(DataPlane):
                       for s, step in _chunks(len(group_keys), self.chunk_rows)]
             fields: dict[str, FieldData] = {}
             for name in names:
-                spec = _unify([c[name][0] for c in chunks] + ([part.specs[name]] if name in part.specs else []),
-                              f"partition {pid!r} field {name!r}")
+                spec = unify_specs([c[name][0] for c in chunks] + ([part.specs[name]] if name in part.specs else []),
+                                   f"partition {pid!r} field {name!r}")
                 part.specs[name] = spec
-                fields[name] = _merge([c[name][1] for c in chunks], spec)
+                fields[name] = concat_fields([c[name][1] for c in chunks], spec)
             part.groups.append(RowGroup(rows, fields))
         part.specs = {name: part.specs[name] for name in schema if name in part.specs}  # TQ's field order
         return part
@@ -206,13 +253,14 @@ class TQDataPlane(DataPlane):
             where = f"partition {pid!r} field {name!r}"
             value = td.get(name)
             nested = bool(schema.get(name, {}).get("is_nested", False))
-            out[name] = _from_tq(value, n, nested, where)
+            out[name] = from_tq(value, n, nested, where)
         return out
 
     # ------------------------------------------------------------ put
 
     def put(self, partition_id: str, keys: Sequence[str], fields: Any = None, tags: Any = None) -> None:
-        """``kv_batch_put``; with ``write_once``, a key put before (through this adapter) is refused."""
+        """``kv_batch_put``; with ``write_once``, a key put before (through this adapter) is refused.
+        Waits until a background load has registered the restored keys (so TQ keeps their order)."""
         n = len(keys)
         if not n or len(set(keys)) != n:
             raise InvalidRecordError("keys must be distinct strings, at least one")
@@ -221,56 +269,122 @@ class TQDataPlane(DataPlane):
             if again:
                 raise DataPlaneError(f"partition {partition_id!r}: keys {again[:5]} were put before; this data "
                                      "plane is write-once (a save may be reading them)")
+        specs: dict[str, FieldSpec] = {}
+        data: dict[str, FieldData] = {}
+        for name, value in (fields or {}).items():
+            spec, values = rows_of(name, value, n)
+            specs[name], data[name] = spec, field_data(spec, values)
         td = None
-        if fields:
-            converted = {}
-            for name, value in fields.items():
-                spec, values = rows_of(name, value, n)
-                converted[name] = _to_tq(spec, field_data(spec, values), n,
-                                         f"partition {partition_id!r} field {name!r}")
-            td = TensorDict(converted, batch_size=[n])
+        if data:
+            td = TensorDict({name: to_tq(specs[name], data[name], n, f"partition {partition_id!r} field {name!r}")
+                             for name in data}, batch_size=[n])
+        self._await_registered()
         self._tq().put(partition_id, list(keys), td, None if tags is None else [dict(t) for t in tags])
         self._written.update((partition_id, k) for k in keys)
+        if self.capture is not None:  # the values TQ now holds for these keys, kept for the next save
+            self.capture.add(partition_id, keys, specs, data)
 
     # ------------------------------------------------------------ restore etc.
 
     def restore_partitions(self, partitions: Sequence[PartitionRows]) -> None:
-        t = self._tq()
-        self._written.update((p.partition_id, k) for p in partitions for k in p.keys)
-        for p in partitions:
-            if not p.keys:
-                t.make_empty_partition(p.partition_id)
-                continue
-            whole = (len(p.groups) == 1 and len(p.groups[0].rows) == len(p.keys)
-                     and bool(np.all(p.groups[0].rows == np.arange(len(p.keys)))) and p.groups[0].fields)
-            if whole:
-                self._put_group(t, p, p.groups[0], with_tags=True)
-                continue
-            # Rows hold different fields. Register every key first, in order, with its tag; then put
-            # one field at a time, in the saved field order, into the groups that hold it.
-            for s, step in _chunks(len(p.keys), self.chunk_rows):
-                t.put(p.partition_id, p.keys[s:s + step], None, [dict(x) for x in p.tags[s:s + step]])
-            for name in p.specs:
-                for g in p.groups:
-                    if name in g.fields:
-                        self._put_group(t, p, g, with_tags=False, only=name)
+        """Put ``partitions`` into the (empty) TQ: the same keys in the same order, tags and values.
 
-    def _put_group(self, t: _TQ, p: PartitionRows, g: RowGroup, with_tags: bool, only: str | None = None) -> None:
+        With ``background_load`` this returns at once: a thread registers every key in order (with
+        its tag), then puts the values, ``load_chunk_rows`` keys per call. Until the keys are
+        registered, :meth:`put` and the cuts wait (so TQ's order is the snapshot's, then new keys); a
+        cut needs no restored value from TQ, the capture holds them (a partition the capture cannot
+        keep makes the cut wait for the whole load). A consumer reading TQ directly sees a key's
+        fields as TQ's production status reports them: not produced until its values are put.
+        :meth:`wait_loaded` waits for the end; a failure is raised by the next put or cut.
+        """
+        self._written.update((p.partition_id, k) for p in partitions for k in p.keys)
+        if self.capture is not None:
+            for p in partitions:
+                self.capture.adopt(p)
+        if not self.background_load:
+            t = self._tq()
+            for p in partitions:
+                self._register(t, p, with_values=True)
+            return
+        self._loading = BackgroundLoad(self, list(partitions))
+
+    def _register(self, t: _TQ, p: PartitionRows, with_values: bool) -> None:
+        """Create ``p``'s keys in order with their tags (and, ``with_values``, put every value too)."""
+        if not p.keys:
+            t.make_empty_partition(p.partition_id)
+        elif with_values and self._whole(p):
+            self._put_group(t, p, p.groups[0], with_tags=True, step=self.chunk_rows)
+        else:
+            for s, step in _chunks(len(p.keys), self.chunk_rows if with_values else self.load_chunk_rows):
+                t.put(p.partition_id, p.keys[s:s + step], None, [dict(x) for x in p.tags[s:s + step]])
+            if with_values:
+                self._fill(t, p, self.chunk_rows)
+
+    def _fill(self, t: _TQ, p: PartitionRows, step: int, stop: threading.Event | None = None) -> None:
+        """Put the values of ``p``, whose keys exist. A partition whose rows hold different fields is
+        filled one field at a time, in the saved field order, so TQ registers its fields in that order."""
+        if self._whole(p):
+            self._put_group(t, p, p.groups[0], with_tags=False, step=step, stop=stop)
+            return
+        for name in p.specs:
+            for g in p.groups:
+                if name in g.fields:
+                    self._put_group(t, p, g, with_tags=False, only=name, step=step, stop=stop)
+
+    @staticmethod
+    def _whole(p: PartitionRows) -> bool:
+        return bool(len(p.groups) == 1 and len(p.groups[0].rows) == len(p.keys)
+                    and np.all(p.groups[0].rows == np.arange(len(p.keys))) and p.groups[0].fields)
+
+    def _put_group(self, t: _TQ, p: PartitionRows, g: RowGroup, with_tags: bool, only: str | None = None,
+                   step: int = 0, stop: threading.Event | None = None) -> None:
         n = len(g.rows)
         names = [name for name in p.specs if name in g.fields and (only is None or name == only)]
-        for s, step in _chunks(n, self.chunk_rows):
-            rows = g.rows[s:s + step]
-            fields = {name: _to_tq(p.specs[name], _slice(g.fields[name], p.specs[name], s, s + len(rows)), len(rows),
-                                   f"partition {p.partition_id!r} field {name!r}")
+        for s, size in _chunks(n, step):
+            if stop is not None and stop.is_set():
+                raise _Cancelled()
+            rows = g.rows[s:s + size]
+            fields = {name: to_tq(p.specs[name], slice_field(g.fields[name], p.specs[name], s, s + len(rows)),
+                                  len(rows), f"partition {p.partition_id!r} field {name!r}")
                       for name in names}
             td = TensorDict(fields, batch_size=[len(rows)])
             keys = [p.keys[i] for i in rows]
             tags = [dict(p.tags[i]) for i in rows] if with_tags else None
             t.put(p.partition_id, keys, td, tags)
 
+    def wait_loaded(self, timeout: float | None = None) -> LoadProgress | None:
+        """Wait until a background load has put every restored value into TQ; its progress (None if
+        there was none). Raises its error if it failed."""
+        loading = self._loading
+        if loading is None:
+            return None
+        loading.wait(timeout if timeout is not None else self.call_timeout_s)
+        self._check_loading()
+        return loading.progress()
+
+    def _await_registered(self) -> None:
+        loading = self._loading
+        if loading is None:
+            return
+        if not loading.registered.wait(self.call_timeout_s):
+            raise DataPlaneError(f"the restored keys were not registered in TransferQueue within "
+                                 f"{self.call_timeout_s:.0f}s")
+        self._check_loading()
+
+    def _check_loading(self) -> None:
+        loading = self._loading
+        if loading is not None and loading.error is not None:
+            raise DataPlaneError(f"putting the restored rows into TransferQueue failed: {loading.error}") \
+                from loading.error
+
     def clear(self) -> None:
+        if self._loading is not None:
+            self._loading.cancel(self.call_timeout_s)
+            self._loading = None
         t = self._tq()
         self._written.clear()
+        if self.capture is not None:
+            self.capture.clear()
         for pid, keys in t.list().items():
             t.drop_partition(pid, bool(keys))
         left = t.list()
@@ -281,29 +395,102 @@ class TQDataPlane(DataPlane):
         return not self._tq().list()
 
 
-class _ListingCut(DeferredCut):
-    """TQ's listing at the barrier; the values of exactly those keys are read on :meth:`materialize`."""
+class _Cancelled(Exception):
+    """A background load was told to stop (the data plane is being cleared)."""
 
-    def __init__(self, plane: TQDataPlane, listing: dict[str, dict[str, Any]], taken_at: float,
-                 seconds: float) -> None:
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """Where a background load is: keys registered, rows whose values are in TQ, and its times."""
+
+    partitions: int
+    keys: int
+    registered_s: float | None
+    loaded_s: float | None
+
+
+class BackgroundLoad:
+    """Puts a restore's rows into TQ from a thread: every key first (in order, with its tag), then
+    the values. ``registered`` and ``done`` are set as each phase ends (``done`` also on failure)."""
+
+    def __init__(self, plane: TQDataPlane, partitions: list[PartitionRows]) -> None:
+        self._plane = plane
+        self._partitions = partitions
+        self._started = time.perf_counter()
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.registered_s: float | None = None
+        self.loaded_s: float | None = None
+        self._thread = threading.Thread(target=self._run, name="tq-background-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        plane = self._plane
+        try:
+            t = plane._tq()
+            for p in self._partitions:
+                if self._stop.is_set():
+                    raise _Cancelled()
+                plane._register(t, p, with_values=False)
+            self.registered_s = time.perf_counter() - self._started
+            self.registered.set()
+            for p in self._partitions:
+                if p.keys:
+                    plane._fill(t, p, plane.load_chunk_rows, self._stop)
+            self.loaded_s = time.perf_counter() - self._started
+            log.info("restored rows are all in TransferQueue: keys registered in %.3fs, values in %.3fs",
+                     self.registered_s, self.loaded_s)
+        except _Cancelled:
+            pass
+        except BaseException as exc:  # kept for the next put or cut to raise; nothing joins this thread for it
+            self.error = exc
+            log.error("putting the restored rows into TransferQueue failed: %s", exc)
+        finally:
+            self.registered.set()
+            self.done.set()
+
+    def wait(self, timeout: float) -> None:
+        if not self.done.wait(timeout):
+            raise DataPlaneError(f"the restored rows were not all put into TransferQueue within {timeout:.0f}s")
+
+    def cancel(self, timeout: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def progress(self) -> LoadProgress:
+        return LoadProgress(len(self._partitions), sum(len(p.keys) for p in self._partitions),
+                            self.registered_s, self.loaded_s)
+
+
+class _PlannedCut(DeferredCut):
+    """TQ's listing at the barrier and the captured rows it names; the other keys' values are read
+    on :meth:`materialize`, which checks that those keys still have their tags."""
+
+    def __init__(self, plane: TQDataPlane, listing: dict[str, dict[str, Any]], plans: list[PartitionPlan],
+                 taken_at: float, seconds: float) -> None:
         self._plane = plane
         self._listing = listing
+        self._plans = plans
         self._taken_at = taken_at
         self.seconds = seconds
-        self.held_bytes = 0  # the listing only (keys and small tags)
+        self.held_bytes = 0  # the listing (keys and small tags) and references to rows kept anyway
 
     def materialize(self) -> DataPlaneCut:
         started = time.perf_counter()
         t = self._plane._tq()
         try:
-            parts = [self._plane._read_partition(t, pid, key_tags) for pid, key_tags in self._listing.items()]
+            parts = self._plane._read_planned(t, self._plans)
         except DataPlaneChangedError as exc:
             raise DataPlaneChangedError(f"{_BROKEN}: {exc}") from None
-        now = t.list()
-        for pid, key_tags in self._listing.items():
-            current = now.get(pid)
-            if current is None or any(current.get(k, _GONE) != tag for k, tag in key_tags.items()):
-                raise DataPlaneChangedError(f"{_BROKEN}: partition {pid!r} no longer holds them as listed")
+        missed = [(p.partition_id, [p.keys[i] for i in p.misses]) for p in self._plans if len(p.misses)]
+        if missed:
+            now = t.list()
+            for pid, keys in missed:
+                current, listed = now.get(pid), self._listing[pid]
+                if current is None or any(current.get(k, _GONE) != listed[k] for k in keys):
+                    raise DataPlaneChangedError(f"{_BROKEN}: partition {pid!r} no longer holds them as listed")
         return self._plane._make_cut(parts, started, self._taken_at)
 
 
@@ -312,7 +499,7 @@ _BROKEN = ("rows of the cut were changed or removed before they were read (the w
            "broken); this save is not published")
 
 
-# ------------------------------------------------------------------------ conversions
+# ------------------------------------------------------------------------ chunks
 
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
@@ -320,120 +507,4 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(s, step) for s in range(0, n, step)]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """An owned numpy copy of ``t`` (bfloat16 widened to float32, exactly)."""
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.to(torch.float32)
-    return np.array(t.contiguous().numpy(), copy=True)
-
-
-def _from_tq(value: Any, n: int, nested: bool, where: str) -> tuple[FieldSpec, FieldData]:
-    """One field of a ``kv_batch_get`` result as (layout, values)."""
-    if isinstance(value, torch.Tensor):
-        dtype = _dtype_name(value.dtype)
-        if value.is_nested:
-            if value.layout != torch.jagged:
-                raise InvalidRecordError(f"{where}: nested tensors of layout {value.layout} are not supported")
-            if value.lengths() is not None:  # a jagged view with holes: take the rows one by one
-                rows = list(value.unbind())
-                values = torch.cat(rows) if rows else value.values()[:0]
-                offsets = np.concatenate([[0], np.cumsum([r.shape[0] for r in rows])]).astype(np.int64)
-            else:
-                values = value.values()
-                offsets = value.offsets().cpu().numpy().astype(np.int64)
-                values = values[int(offsets[0]):int(offsets[-1])]
-                offsets = offsets - offsets[0]
-            lengths = np.diff(offsets)
-            # Keep TQ's own dense/ragged flag (a dense [N, L] put comes back jagged too).
-            ragged = nested or (len(lengths) > 0 and not bool(np.all(lengths == lengths[0])))
-            spec = FieldSpec("tensor", dtype, value.dim() - 1, tuple(values.shape[1:]), ragged)
-            return spec, FieldData(_numpy(values), offsets)
-        if value.dim() == 0 or value.shape[0] != n:
-            raise InvalidRecordError(f"{where}: tensor of shape {tuple(value.shape)} for {n} rows")
-        if value.dim() == 1:
-            return FieldSpec("tensor", dtype, 0, (), False), FieldData(_numpy(value))
-        length = value.shape[1]
-        values = value.reshape(n * length, *value.shape[2:])
-        offsets = np.arange(n + 1, dtype=np.int64) * length
-        spec = FieldSpec("tensor", dtype, value.dim() - 1, tuple(value.shape[2:]), nested)
-        return spec, FieldData(_numpy(values), offsets)
-    if isinstance(value, NonTensorData):
-        values = [value.data] * n
-    elif isinstance(value, NonTensorStack):
-        values = value.tolist()
-    elif isinstance(value, (list, tuple)):
-        values = list(value)
-    else:
-        raise InvalidRecordError(f"{where}: a {type(value).__name__} field is not supported")
-    if len(values) != n:
-        raise InvalidRecordError(f"{where}: {len(values)} values for {n} rows")
-    return FieldSpec("object"), FieldData(values)
-
-
-def _unify(specs: list[FieldSpec], where: str) -> FieldSpec:
-    """One layout for a field read in several gets: they must agree, except that a field TQ calls
-    dense but whose rows differ in length somewhere is ragged everywhere."""
-    distinct = set(specs)
-    if len(distinct) == 1:
-        return specs[0]
-    if len({dataclasses.replace(s, nested=False) for s in distinct}) == 1:
-        return dataclasses.replace(specs[0], nested=True)
-    raise InvalidRecordError(f"{where}: layouts differ between rows: {sorted(map(str, distinct))}")
-
-
-def _merge(parts: list[FieldData], spec: FieldSpec) -> FieldData:
-    if len(parts) == 1:
-        return parts[0]
-    if spec.type == "object":
-        return FieldData([v for p in parts for v in p.values])
-    values = np.concatenate([p.values for p in parts], axis=0)
-    if spec.ndim == 0:
-        return FieldData(values)
-    offsets = [np.zeros(1, dtype=np.int64)]
-    base = 0
-    for p in parts:
-        offsets.append(p.offsets[1:] + base)
-        base += int(p.offsets[-1])
-    return FieldData(values, np.concatenate(offsets))
-
-
-def _slice(fd: FieldData, spec: FieldSpec, start: int, stop: int) -> FieldData:
-    if spec.type == "object":
-        return FieldData(list(fd.values[start:stop]))
-    if spec.ndim == 0:
-        return FieldData(fd.values[start:stop])
-    off = fd.offsets[start:stop + 1]
-    return FieldData(fd.values[int(off[0]):int(off[-1])], off - off[0])
-
-
-_TORCH_DTYPES = {name: getattr(torch, name) for name in (
-    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-    "float16", "bfloat16", "float32", "float64")}
-
-
-def _to_tq(spec: FieldSpec, fd: FieldData, n: int, where: str) -> Any:
-    """One field as TQ takes it: a tensor (dense or jagged) or a NonTensorStack."""
-    if spec.type == "object":
-        return NonTensorStack(*fd.values)
-    arr = np.ascontiguousarray(fd.values)
-    if not arr.flags.writeable:  # read straight from a memory-mapped part: give torch its own copy
-        arr = arr.copy()
-    values = torch.from_numpy(arr).to(_TORCH_DTYPES[spec.dtype])
-    if spec.ndim == 0:
-        return values
-    offsets = np.asarray(fd.offsets, dtype=np.int64)
-    if spec.nested:
-        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
-    lengths = np.diff(offsets)
-    if len(lengths) and not np.all(lengths == lengths[0]):
-        raise InvalidRecordError(
-            f"{where}: a dense field needs rows of one length, got {sorted(set(lengths.tolist()))[:5]}")
-    return values.reshape(n, int(lengths[0]) if len(lengths) else 0, *spec.inner)
-
-
-__all__ = ["TQDataPlane"]
+__all__ = ["BackgroundLoad", "LoadProgress", "TQDataPlane"]

@@ -62,6 +62,7 @@ class TQHarness(Harness):
         tq.kv_clear(keys=keys, partition_id=partition_id)
 
     def contents(self) -> dict[str, Any]:
+        self.plane.wait_loaded()  # TQ itself holds every restored value once a background load ends
         out = {}
         for pid, key_tags in tq.kv_list().items():
             keys = list(key_tags)
@@ -107,9 +108,41 @@ def tq_plane(tq_runtime) -> TQDataPlane:
 
 
 class TestTQContract(DataPlaneContract):
+    """Rows put straight into TQ by another producer: every save reads them back out of TQ."""
+
     @pytest.fixture
     def harness(self, tq_plane: TQDataPlane) -> TQHarness:
         return TQHarness(tq_plane)
+
+
+class AdapterHarness(TQHarness):
+    """Rows put through the adapter (so it keeps them); read and deleted through TQ's own API. The
+    adapter is write-once, so a second put of a key goes straight to TQ, as another producer's would."""
+
+    def put(self, partition_id, keys, fields=None, tags=None) -> None:
+        if any((partition_id, k) in self.plane._written for k in keys):
+            super().put(partition_id, keys, fields, tags)
+        else:
+            self.plane.put(partition_id, keys, fields, tags)
+
+
+class TestTQCapturedContract(DataPlaneContract):
+    """Rows put through the adapter: a save takes them from the adapter's capture, not from TQ."""
+
+    @pytest.fixture
+    def harness(self, tq_plane: TQDataPlane) -> AdapterHarness:
+        return AdapterHarness(tq_plane)
+
+
+class TestTQSynchronousLoadContract(DataPlaneContract):
+    """No capture and no background load: everything goes through TQ's KV calls, as before."""
+
+    @pytest.fixture
+    def harness(self, tq_runtime) -> AdapterHarness:
+        plane = TQDataPlane(token_capture_partitions={TOKEN_PARTITION}, capture_max_bytes=0, background_load=False)
+        plane.clear()
+        yield AdapterHarness(plane)
+        plane.clear()
 
 
 def test_torch_only_dtypes_and_dense_layout_round_trip(tq_plane: TQDataPlane, tmp_path: Path) -> None:
@@ -218,8 +251,9 @@ def test_write_once_refuses_a_second_put_of_a_key(tq_plane: TQDataPlane) -> None
 
 
 def test_a_deferred_cut_whose_rows_changed_underneath_is_refused(tq_plane: TQDataPlane) -> None:
-    """Another producer (not this adapter) breaks the contract: the save must fail, not lie."""
-    _put_some(tq_plane, "train", ["a", "b"])
+    """Rows the adapter did not put are read after the pause; another producer removing one of them
+    before that breaks the contract: the save must fail, not lie."""
+    TQHarness(tq_plane).put("train", ["a", "b"], {"input_lengths": np.array([1, 2], np.int32)}, training_tags(2))
     deferred = tq_plane.deferred_cut()
     tq.kv_clear(keys=["b"], partition_id="train")
     with pytest.raises(DataPlaneChangedError, match="changed or removed before they were read"):
@@ -238,3 +272,149 @@ def test_a_transferqueue_that_stops_answering_fails_the_call_at_its_deadline(tq_
             plane.is_empty()
     finally:
         release.set()
+
+
+# ---------------------------------------------------------------- the capture and the background load
+
+
+def _tables_equal(a, b) -> None:
+    assert set(a.tables) == set(b.tables)
+    for kind in a.tables:
+        assert a.tables[kind].equals(b.tables[kind], check_metadata=True), kind
+
+
+def _uncaptured(tq_runtime) -> TQDataPlane:
+    """A second adapter on the same TQ that keeps nothing: its cuts read every row out of TQ."""
+    return TQDataPlane(token_capture_partitions={TOKEN_PARTITION}, capture_max_bytes=0)
+
+
+def test_a_save_of_rows_the_adapter_put_reads_nothing_back_and_equals_reading_them(
+        tq_plane: TQDataPlane, tq_runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataplane_contract import fill
+
+    fill(AdapterHarness(tq_plane))  # several puts per partition, fields missing in some, an emptied partition
+    from_tq = _uncaptured(tq_runtime).cut()
+
+    def no_reads(self, *a):
+        raise AssertionError("the adapter read rows back out of TQ")
+
+    monkeypatch.setattr(tq_adapter._TQ, "get", no_reads)
+    _tables_equal(tq_plane.deferred_cut().materialize(), from_tq)
+    _tables_equal(tq_plane.cut(), from_tq)
+
+
+def test_keys_put_by_another_producer_are_read_from_tq_between_captured_ones(tq_plane, tq_runtime) -> None:
+    h, other = AdapterHarness(tq_plane), TQHarness(tq_plane)
+    rng = np.random.default_rng(3)
+
+    def batch(n):
+        return {"input_ids": Ragged([rng.integers(0, 9, rng.integers(1, 6)).astype(np.int32) for _ in range(n)]),
+                "input_lengths": np.arange(n, dtype=np.int32)}
+
+    h.put("train", ["a", "b"], batch(2), training_tags(2))
+    other.put("train", ["c"], batch(1), training_tags(1, 2))
+    h.put("train", ["d", "e", "f"], batch(3), training_tags(3, 3))
+    other.put("train", ["g", "h"], {"input_lengths": np.arange(2, dtype=np.int32)}, training_tags(2, 6))
+    tq.kv_clear(keys=["e"], partition_id="train")  # a consumer removed one captured key
+    cut = tq_plane.deferred_cut().materialize()
+    assert cut.tables["training_rows"].column("key").to_pylist() == ["a", "b", "c", "d", "f", "g", "h"]
+    _tables_equal(cut, _uncaptured(tq_runtime).cut())
+
+
+def test_captured_rows_removed_after_the_pause_still_reach_that_cut_and_are_dropped_by_the_next(
+        tq_plane: TQDataPlane) -> None:
+    _put_some(tq_plane, "train", ["a", "b"])
+    _put_some(tq_plane, "train", ["c"])
+    held = tq_plane.capture.nbytes
+    deferred = tq_plane.deferred_cut()
+    tq.kv_clear(keys=["b", "c"], partition_id="train")  # after the barrier: the cut is as of the barrier
+    assert deferred.materialize().tables["training_rows"].column("key").to_pylist() == ["a", "b", "c"]
+    assert tq_plane.cut().tables["training_rows"].column("key").to_pylist() == ["a"]
+    assert 0 < tq_plane.capture.nbytes < held  # the segment of c (all its keys gone) was dropped, a+b's kept
+
+
+def test_past_its_memory_bound_the_capture_keeps_nothing_more_and_saves_read_the_rest(tq_runtime,
+                                                                                     monkeypatch) -> None:
+    plane = TQDataPlane(capture_max_bytes=40)
+    plane.clear()
+    try:
+        _put_some(plane, "train", ["a"])  # 4 bytes of values + 16 of offsets: kept
+        _put_some(plane, "train", ["b", "c"])  # would pass 40 bytes: not kept
+        gets: list[list[str]] = []
+        real = tq_adapter._TQ.get
+        monkeypatch.setattr(tq_adapter._TQ, "get", lambda self, pid, keys, fields: gets.append(keys) or
+                            real(self, pid, keys, fields))
+        cut = plane.cut()
+        assert gets == [["b", "c"]]
+        assert cut.tables["training_rows"].column("input_ids").to_pylist() == [[0], [0], [0, 1]]
+    finally:
+        plane.clear()
+
+
+class _Gate:
+    """Holds every value put of a background load (a put with fields and no tags) until opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
+        import threading
+
+        self.open = threading.Event()
+        self.fail = fail
+        real = tq_adapter._TQ.put
+
+        def put(tq_self, pid, keys, fields, tags):
+            if fields is not None and tags is None:
+                assert self.open.wait(60)
+                if self.fail:
+                    raise RuntimeError("storage unit gone")
+            return real(tq_self, pid, keys, fields, tags)
+
+        monkeypatch.setattr(tq_adapter._TQ, "put", put)
+
+
+def _saved(plane: TQDataPlane, tmp_path: Path):
+    from dataplane_contract import fill
+
+    fill(AdapterHarness(plane))
+    cut = plane.cut()
+    snap, _ = publish_cut(plane, cut, tmp_path / "s")
+    plane.clear()
+    return cut, snap
+
+
+def test_a_restore_returns_before_tq_holds_the_values_and_a_save_meanwhile_holds_every_row(
+        tq_plane: TQDataPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cut, snap = _saved(tq_plane, tmp_path)
+    gate = _Gate(monkeypatch)
+    tq_plane.load(snap, "tq")  # returns with the values still held at the gate
+    deferred = tq_plane.deferred_cut()  # waits for the keys to be registered, not for the values
+    assert not tq_plane._loading.done.is_set()
+    _tables_equal(deferred.materialize(), cut)
+    tq_plane.put("train", ["new"], {"input_lengths": np.array([9], np.int32)}, training_tags(1, 99))
+    gate.open.set()
+    progress = tq_plane.wait_loaded()
+    assert progress.keys == 43 and progress.loaded_s >= progress.registered_s
+    listed = list(tq.kv_list()["train"])
+    assert listed[-1] == "new" and listed[:-1] == [k for k in cut.tables["training_rows"].column("key").to_pylist()
+                                                   if k.startswith("t")]  # restored keys first, in order
+
+
+def test_a_background_load_that_fails_is_raised_by_the_next_put(tq_plane, tmp_path, monkeypatch) -> None:
+    _, snap = _saved(tq_plane, tmp_path)
+    gate = _Gate(monkeypatch, fail=True)
+    tq_plane.load(snap, "tq")
+    gate.open.set()
+    with pytest.raises(tq_adapter.DataPlaneError, match="putting the restored rows into TransferQueue failed"):
+        tq_plane.wait_loaded()
+    with pytest.raises(tq_adapter.DataPlaneError, match="storage unit gone"):
+        _put_some(tq_plane, "train", ["later"])
+
+
+def test_clear_stops_a_background_load_and_empties_tq(tq_plane, tmp_path, monkeypatch) -> None:
+    _, snap = _saved(tq_plane, tmp_path)
+    gate = _Gate(monkeypatch)
+    tq_plane.load(snap, "tq")
+    loading = tq_plane._loading
+    assert loading.registered.wait(60)
+    gate.open.set()  # the load is told to stop before its next put
+    tq_plane.clear()
+    assert loading.done.is_set() and tq_plane.is_empty() and tq_plane.wait_loaded() is None
