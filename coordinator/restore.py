@@ -4,8 +4,10 @@
    mismatch is refused, naming both; never an older snapshot instead). A snapshot that turns out
    corrupt (unreadable manifest, a file whose checksum or records are wrong, a Gym part a server
    refuses) is skipped, saying so, and the one before it is tried.
-2. Load the data plane's rows (into an empty data plane), read the controller's bookkeeping, and
-   have every Gym server restore its part; everything stays paused.
+2. Load the data plane's rows (into an empty data plane) and read the controller's bookkeeping
+   while every Gym server restores its part (the two at once: neither needs the other); everything
+   stays paused. A data plane may go on putting its rows in the background (TransferQueue's does:
+   :meth:`coordinator.tq_adapter.TQDataPlane.restore_partitions`).
 3. Every unfinished rollout continues as run n + 1; those that used a restart-only resource are
    discarded (they start over, same run); acknowledgements still owed are sent again.
 4. Resume Gym (resources, models, agents). The loop then sends rollouts again.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -112,30 +115,32 @@ def _restore_from(ctl: SingleController, snap: Snapshot) -> RestoreReport:
     report = RestoreReport(restore_id=rid, snapshot_url=snap.url, sequence=snap.sequence)
     steps = report.steps_s
     ctl.steps.reached("restore.picked")
-    t = time.perf_counter()
-    if not ctl.plane.is_empty():
-        log.warning("the data plane is not empty at restore: clearing it (the snapshot's rows replace it)")
-        ctl.plane.clear()
+    if snap.manifest.gym_commit is None:
+        raise _Unusable(f"{snap.url}: the manifest has no gym_commit")
+    t0 = time.perf_counter()
+    # Gym restores its parts (paused) while the data plane reads the rows: neither needs the other,
+    # and each server's restore is an HTTP wait here, so the two overlap.
+    gym = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gym-restore")
+    answer_f = gym.submit(ctl.gym.restore_checkpoint, rid, time.time() + ctl.config.restore_timeout_s, snap.url,
+                          snap.manifest.gym_commit.checkpoint_id, ctl.fingerprint)
+    gym.shutdown(wait=False)
     try:
-        loaded = ctl.plane.load(snap, TQ_PREFIX)
-        books = Bookkeeping.from_records(ctl.workload, _read_records(snap), snap.url)
-    except (*_UNUSABLE, StoreError) as exc:
-        ctl.plane.clear()
-        if isinstance(exc, StoreError):
-            raise
-        raise _Unusable(str(exc)) from exc
-    report.rows = dict(loaded.rows)
-    steps["load_data_plane"] = round(time.perf_counter() - t, 6)
-    ctl.steps.reached("restore.dataplane_loaded")
-    gym_began = False
-    try:
-        if snap.manifest.gym_commit is None:
-            raise _Unusable(f"{snap.url}: the manifest has no gym_commit")
-        t = time.perf_counter()
-        gym_began = True
-        answer = ctl.gym.restore_checkpoint(rid, time.time() + ctl.config.restore_timeout_s, snap.url,
-                                            snap.manifest.gym_commit.checkpoint_id, ctl.fingerprint)
-        steps["gym_restore"] = round(time.perf_counter() - t, 6)
+        if not ctl.plane.is_empty():
+            log.warning("the data plane is not empty at restore: clearing it (the snapshot's rows replace it)")
+            ctl.plane.clear()
+        try:
+            loaded = ctl.plane.load(snap, TQ_PREFIX)
+            books = Bookkeeping.from_records(ctl.workload, _read_records(snap), snap.url)
+        except (*_UNUSABLE, StoreError) as exc:
+            ctl.plane.clear()
+            if isinstance(exc, StoreError):
+                raise
+            raise _Unusable(str(exc)) from exc
+        report.rows = dict(loaded.rows)
+        steps["load_data_plane"] = round(time.perf_counter() - t0, 6)
+        ctl.steps.reached("restore.dataplane_loaded")
+        answer = answer_f.result()
+        steps["gym_restore"] = round(time.perf_counter() - t0, 6)
         ctl.steps.reached("restore.gym_restored")
         continued = _apply(books, answer, snap.url)
         report.finished_unacked = len(answer["finished_unacked"])
@@ -152,14 +157,17 @@ def _restore_from(ctl: SingleController, snap: Snapshot) -> RestoreReport:
         ctl.flush_acks()
         ctl.steps.reached("restore.acks_resent")
     except BaseException as exc:
-        if gym_began:
-            failures = ctl.gym.abort_checkpoint(rid)
-            if failures:
-                log.warning("abort of restore %s: %s", rid, "; ".join(failures))
+        try:
+            answer_f.result()  # let Gym's restore end (it is bounded by its deadline) before aborting it
+        except BaseException:
+            pass
+        failures = ctl.gym.abort_checkpoint(rid)
+        if failures:
+            log.warning("abort of restore %s: %s", rid, "; ".join(failures))
         ctl.plane.clear()
         if isinstance(exc, GymCallError) and exc.error == "invalid_record":
             raise _Unusable(str(exc)) from exc
-        if isinstance(exc, (_Unusable, RestoreError)):
+        if isinstance(exc, (_Unusable, RestoreError, StoreError)):
             raise
         raise RestoreError(f"restore {rid} from {snap.url} failed before resume (Gym aborted): "
                            f"{type(exc).__name__}: {exc}") from exc
