@@ -47,9 +47,11 @@ from refgym.parts import invalid_records_refused, part_records
 
 log = logging.getLogger("refgym.agent")
 Outcome = Literal["running", "finished", "failed"]
-#: Calls the agent has open at once (model and tools together), one per pooled connection. Rollouts
-#: beyond it wait on a semaphore: httpcore's pool rescans its whole queue and every connection on each
-#: request, so 1,000 rollouts queued there (or a large pool) stall the agent's event loop.
+#: Turns the agent runs at once, and calls it has open at once to the model and (as many again) to the
+#: resource server, one per pooled connection. Rollouts beyond it wait on semaphores: httpcore's pool
+#: rescans its whole queue and every connection on each request, so 1,000 rollouts queued there stall
+#: the agent's event loop. A rollout waiting for a turn slot has not started its turn, so parking waits
+#: for at most this many turns (their model call, then their tool calls), whatever the number of rollouts.
 MAX_OPEN_CALLS = 16
 
 
@@ -166,10 +168,18 @@ class AgentParticipant(Participant):
         self.rollouts: dict[str, Rollout] = {}
         self._gate = asyncio.Event()  # open: rollouts may start turns
         self._gate.set()
+        self._parking = asyncio.Event()  # set while the gate is closed: a turn not yet started gives up
+        # Cleared when the model refuses a call (paused, restarting): then one rollout, the leader, retries
+        # with backoff while the others wait for it to succeed, so 1,000 rollouts do not poll a paused model.
+        self._model_ok = asyncio.Event()
+        self._model_ok.set()
+        self._leader: Rollout | None = None
         self._busy = 0  # rollouts inside a turn
         self._quiet = asyncio.Event()
         self._quiet.set()
-        self._open_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # rollouts wait here, not in httpx's pool
+        self._turn_slots = asyncio.Semaphore(MAX_OPEN_CALLS)  # turns started and not yet finished
+        self._open_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # model calls wait here, not in httpx's pool
+        self._tool_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # resource calls (session reset, tools)
 
     # -- the protocol ------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -179,12 +189,24 @@ class AgentParticipant(Participant):
         return self._busy
 
     async def prepare(self, deadline: float) -> None:
-        """Park: close the gate, then wait until no rollout is inside a turn."""
-        self._gate.clear()
+        """Park: close the gate, then wait until no rollout is inside a turn. A rollout still waiting
+        for a call slot has not started its turn (its model call is not sent): it stops at once, so
+        parking takes the time of the calls in flight, not of every rollout's turn in the queue."""
+        self._close_gate()
         while self._busy:
             await self._quiet.wait()
 
     async def resume(self) -> None:
+        self._open_gate()
+
+    def _close_gate(self) -> None:
+        self._gate.clear()
+        self._parking.set()
+
+    def _open_gate(self) -> None:
+        self._parking.clear()
+        self._model_ok.set()  # resume comes after the model's own (resources, models, agents): try again
+        self._leader = None
         self._gate.set()
 
     async def reset(self) -> None:
@@ -194,7 +216,7 @@ class AgentParticipant(Participant):
             if r.task is not None:
                 r.task.cancel()
         self.rollouts = {}
-        self._gate.set()
+        self._open_gate()
 
     async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
         assert part is not None and self._busy == 0, "commit runs only while every rollout is parked"
@@ -221,7 +243,7 @@ class AgentParticipant(Participant):
                                  f"restore needs an agent server without rollouts; this one has {len(self.rollouts)}")
         with invalid_records_refused():
             loaded = _load_rollouts(snapshot, prefix)
-        self._gate.clear()  # restored rollouts wait for resume
+        self._close_gate()  # restored rollouts wait for resume
         self.rollouts = loaded  # swapped in whole: a failed load changes nothing
         for r in loaded.values():
             if r.outcome == "running":
@@ -284,23 +306,33 @@ class AgentParticipant(Participant):
         return r
 
     async def _run(self, r: Rollout) -> None:
-        """Turn after turn until done; waits at the gate between turns."""
+        """Turn after turn until done; waits at the gate between turns, and while the model refuses
+        calls lets one rollout (the leader) find out when it accepts them again."""
         waits = 0
         try:
             while len(r.trajectory) < r.turns:
                 await self._gate.wait()
                 if not self._gate.is_set():  # closed again before this task ran
                     continue
+                if not self._model_ok.is_set() and self._leader is not r:
+                    await _first(self._model_ok, self._parking)
+                    continue
                 self._busy += 1  # no await between the gate check and this line
                 self._quiet.clear()
                 try:
-                    started = await self._turn(r)
+                    outcome = await self._turn(r)
                 finally:
                     self._busy -= 1
                     if not self._busy:
                         self._quiet.set()
-                waits = 0 if started else waits + 1
-                if not started:
+                if outcome == "done" and self._leader is r:  # the model answers again: everyone may call it
+                    self._leader = None
+                    self._model_ok.set()
+                if outcome == "model_refused" and self._model_ok.is_set():
+                    self._model_ok.clear()
+                    self._leader = r
+                waits = 0 if outcome == "done" else waits + 1
+                if outcome != "done":
                     await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
             r.outcome = "finished"
         except RolloutFailed as exc:
@@ -310,21 +342,37 @@ class AgentParticipant(Participant):
         except Exception as exc:  # a bug must end the rollout visibly, not hang it
             log.exception("rollout %s crashed", r.rollout_id)
             r.outcome, r.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            if self._leader is r:  # a leader that ends hands the retrying back to everyone
+                self._leader = None
+                self._model_ok.set()
 
-    async def _turn(self, r: Rollout) -> bool:
-        """One whole turn; False if it could not start (nothing changed)."""
+    async def _turn(self, r: Rollout) -> Literal["done", "not_started", "model_refused"]:
+        """One whole turn, or nothing changed: the model refused the call, or it could not start (no
+        turn slot before the gate closed, or the resource server refused the session reset)."""
+        if not await self._slot_unless_parking(self._turn_slots):
+            return "not_started"
+        try:
+            return await self._turn_in_slot(r)
+        finally:
+            self._turn_slots.release()
+
+    async def _turn_in_slot(self, r: Rollout) -> Literal["done", "not_started", "model_refused"]:
         t = len(r.trajectory)
         key = r.capture_key
+        if t == 0:
+            try:
+                await self._post(f"{self.resource_url}/sessions/{r.rollout_id}/reset", {}, self._tool_calls)
+            except NotStarted:
+                return "not_started"
+        call = ModelCall(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=key,
+                         model_call_id=f"call-{t}", parent_call_id=f"call-{t - 1}" if t else None, turn_index=t,
+                         prompt_token_ids=r.tokens())
         try:
-            if t == 0:
-                await self._post(f"{self.resource_url}/sessions/{r.rollout_id}/reset", {})
-            call = ModelCall(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=key,
-                             model_call_id=f"call-{t}", parent_call_id=f"call-{t - 1}" if t else None, turn_index=t,
-                             prompt_token_ids=r.tokens())
-            resp = await self._post(f"{self.model_url}/v1/responses", call)
-            answer = msgspec.json.decode(resp.content, type=ModelReply)
+            resp = await self._post(f"{self.model_url}/v1/responses", call, self._open_calls)
         except NotStarted:
-            return False
+            return "model_refused"
+        answer = msgspec.json.decode(resp.content, type=ModelReply)
         # The model call is recorded: from here the turn is finished, whatever it takes.
         results = []
         for kind in r.tools:
@@ -335,7 +383,7 @@ class AgentParticipant(Participant):
         r.trajectory.append(Turn(model_call_id=call.model_call_id, generation_token_ids=answer.generation_token_ids,
                                  generation_log_probs=answer.generation_log_probs, tool_results=results))
         r.turn_keys.append(key)
-        return True
+        return "done"
 
     async def _tool(self, r: Rollout, kind: str, args: dict[str, int]) -> ToolReply:
         """A tool call inside a turn: retried while the resource server is paused or unreachable."""
@@ -343,7 +391,7 @@ class AgentParticipant(Participant):
         while True:
             body = {"session_id": r.rollout_id, "expected_revision": r.revisions.get(kind, 0), "args": args}
             try:
-                resp = await self._post(f"{self.resource_url}/tools/{kind}", body)
+                resp = await self._post(f"{self.resource_url}/tools/{kind}", body, self._tool_calls)
             except NotStarted:
                 waits += 1
                 await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
@@ -356,21 +404,47 @@ class AgentParticipant(Participant):
             r.resource = tool.resource
             return tool
 
-    async def _post(self, url: str, body: Any) -> httpx.Response:
-        """POST; NotStarted on 503, 5xx or a transport error, RolloutFailed on any other refusal."""
+    async def _post(self, url: str, body: Any, slots: asyncio.Semaphore) -> httpx.Response:
+        """POST, holding one of ``slots``; NotStarted on 503, 5xx or a transport error, RolloutFailed on
+        any other refusal."""
         assert self.http is not None
+        await slots.acquire()
         try:
-            async with self._open_calls:
-                resp = await self.http.post(url, content=msgspec.json.encode(body),
-                                            headers={"content-type": "application/json"})
+            resp = await self.http.post(url, content=msgspec.json.encode(body),
+                                        headers={"content-type": "application/json"})
         except httpx.TransportError as exc:
             log.info("%s unreachable (%s); will retry", url, type(exc).__name__)
             raise NotStarted() from None
+        finally:
+            slots.release()
         if resp.status_code >= 500:
             raise NotStarted()
         if resp.status_code >= 400:
             raise RolloutFailed(f"{url} refused ({resp.status_code}): {resp.text}")
         return resp
+
+    async def _slot_unless_parking(self, slots: asyncio.Semaphore) -> bool:
+        """Take a call slot; False (holding none) if the gate is, or gets, closed first."""
+        if self._parking.is_set():
+            return False
+        slot = asyncio.ensure_future(slots.acquire())
+        parking = asyncio.ensure_future(self._parking.wait())
+        try:
+            await asyncio.wait({slot, parking}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # never keep a slot nobody will release
+            parking.cancel()
+            slot.cancel()
+            if slot.done() and not slot.cancelled():
+                slots.release()
+            raise
+        parking.cancel()
+        if not slot.done():
+            slot.cancel()
+            return False
+        if self._parking.is_set():  # got a slot as the gate closed: the turn has still not started
+            slots.release()
+            return False
+        return True
 
     async def close(self) -> None:
         tasks = [r.task for r in self.rollouts.values() if r.task is not None and not r.task.done()]
@@ -379,6 +453,16 @@ class AgentParticipant(Participant):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.http is not None:
             await self.http.aclose()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Return as soon as one of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def _load_rollouts(snapshot: Snapshot, prefix: str) -> dict[str, Rollout]:
@@ -435,7 +519,7 @@ def create_app(name: str, token: str, model_url: str, resource_url: str) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         participant.http = httpx.AsyncClient(
             timeout=httpx.Timeout(30.0, connect=2.0),
-            limits=httpx.Limits(max_connections=MAX_OPEN_CALLS, max_keepalive_connections=MAX_OPEN_CALLS))
+            limits=httpx.Limits(max_connections=2 * MAX_OPEN_CALLS, max_keepalive_connections=2 * MAX_OPEN_CALLS))
         yield
         await participant.close()
 
