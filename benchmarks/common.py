@@ -79,8 +79,14 @@ class MethodTimer:
 
     def __init__(self, obj: Any, names: Sequence[str]) -> None:
         self.times: dict[str, float] = {}
+        self._obj, self._names = obj, tuple(names)
         for name in names:
             setattr(obj, name, self._wrap(name, getattr(obj, name)))
+
+    def close(self) -> None:
+        """Put the methods back (the wrappers shadow them on the instance)."""
+        for name in self._names:
+            self._obj.__dict__.pop(name, None)
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*a: Any, **kw: Any) -> Any:

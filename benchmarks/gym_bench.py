@@ -64,9 +64,8 @@ PHASES: list[tuple[str, str, str]] = [
     ("prepare_agent", "prepare: agent (park at turn ends)",
      "`POST /prepare` on the agent: closes the turn gate and waits until no rollout is inside a turn "
      "(a turn whose model call was refused never started; one past its model call finishes its tool call). "
-     f"A rollout waiting for one of the agent's {MAX_OPEN_CALLS} open-call slots is inside its turn too, so "
-     "each of those must first have its model call refused (503) by the paused model: about one round trip "
-     "per running rollout, which is why this phase grows with N"),
+     f"The agent runs at most {MAX_OPEN_CALLS} turns at once; a rollout waiting for a turn slot has not started "
+     "its turn and stops at once, so this is those turns finishing, whatever N"),
     ("prepare_resource", "prepare: resource (freeze)",
      "`POST /prepare` on the resource server: refuses tool calls and waits for the admitted ones (none left by now)"),
     ("begin", "begin draft",

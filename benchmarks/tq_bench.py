@@ -12,13 +12,16 @@ rows through the adapter's ``put`` (TQ's ``kv_batch_put``), :data:`PUT_BATCH` ro
 (*dense*: one ``[n, L]`` tensor per put; *ragged*: jagged tensors, lengths uniform in [L/2, 3L/2)),
 and ``input_lengths`` int32. Then, per repeat (the two methods' order alternating):
 
-* *ours, save*: ``deferred_cut()`` (the pause's share: TQ's listing) + ``materialize()`` (every
-  value read with ``kv_batch_get``, built into one Arrow table) + ``SnapshotStore.begin()`` +
-  ``write_cut`` into the draft's ``tq`` part (row checks, xxh3-128, fsync) + ``publish()``.
+* *ours, save*: ``deferred_cut()`` (the pause's share: TQ's listing and the plan of the kept rows)
+  + ``materialize()`` (the rows the adapter kept as it put them, built into one Arrow table) +
+  ``SnapshotStore.begin()`` + ``write_cut`` into the draft's ``tq`` part (row checks, xxh3-128,
+  fsync) + ``publish()``. Once per row count also *no capture*: the same save by an adapter that
+  kept nothing, so every value is read back with ``kv_batch_get``.
 * *TQ, save*: ``tq.save_checkpoint(dir)`` (TQ pickles its controller state and each storage unit's
   per-row values; no fsync).
 * *ours, load*: TQ cleared, then ``SnapshotStore(path).latest()`` + ``TQDataPlane.load(snap, "tq")``
-  (checksums verified, rows put back with ``kv_batch_put``).
+  (checksums verified, rows parsed and kept): the time it returns, and the time until its background
+  load has put every value into TQ with ``kv_batch_put`` (``wait_loaded()``).
 * *TQ, load*: TQ cleared, then ``tq.load_checkpoint(dir)``.
 
 After every load the row count and the values of a sample of rows are checked against what was put.
@@ -50,6 +53,8 @@ SAMPLE_ROWS = 8  # rows whose values are compared after every load
 LAYOUTS = ("dense", "ragged")
 SAVE, LOAD = "save", "load"
 OURS, THEIRS = "ours", "tq"
+LOADED = "ours load, until TQ holds every value"  # the background load's end
+UNCAPTURED = "ours save, no capture"  # every row read back with kv_batch_get (the adapter before its capture)
 
 FULL = {"rows": (10_000, 100_000), "repeats": {10_000: 2, 100_000: 1}, "sweep_rows": 2_000,
         "sweep_batches": (16, 64, 256)}
@@ -108,17 +113,21 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
     from coordinator.tq_adapter import TQDataPlane
     from snapformat import SnapshotStore
 
-    plane = TQDataPlane()  # a fresh adapter (its write-once record empty) for each measurement
+    plane = TQDataPlane()  # a fresh adapter (its write-once record and capture empty) for each measurement
     plane.clear()
     gc.collect()
+    keeping = common.MethodTimer(plane.capture, ("add",))
     fill = _fill(plane, rows, layout, seed=rows + len(layout), log=log, batch=batch)
+    fill["capture_s"] = keeping.take().get("add", 0.0)
     log(f"tq: {layout} {rows:,} rows in TQ: {fill['raw_bytes'] / MIB:.1f} MiB of values, put in "
         f"{fill['fill_s']:.1f} s ({fill['raw_bytes'] / MIB / fill['fill_s']:.1f} MiB/s, {batch} rows per put, "
-        "not timed)")
-    probe = common.MethodTimer(plane, ("_read_partition", "_make_cut", "restore_partitions"))
+        f"not timed; of which the adapter keeping them {fill['capture_s']:.3f} s)")
+    probe = common.MethodTimer(plane, ("_read_partition", "_read_planned", "_make_cut"))
     times: dict[str, list[float]] = {f"{m} {p}": [] for m in (OURS, THEIRS) for p in (SAVE, LOAD)}
-    parts: dict[str, list[float]] = {k: [] for k in ("listing", "tq_reads", "arrow_build", "write", "publish",
-                                                      "snapshot_read", "tq_puts")}
+    times[LOADED] = []
+    times[UNCAPTURED] = []
+    parts: dict[str, list[float]] = {k: [] for k in ("listing", "tq_reads", "assemble", "arrow_build", "write",
+                                                      "publish", "snapshot_read", "registered", "tq_puts")}
     sizes: dict[str, int] = {}
     checks: list[str] = []
     for rep in range(repeats):
@@ -127,11 +136,11 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
         store = SnapshotStore(str(store_root))
         store.begin().abandon()  # creates the store's marker (untimed)
 
-        def ours_save() -> None:
+        def ours_save(adapter: TQDataPlane = plane, label: str = f"{OURS} {SAVE}") -> None:
             probe.take()
             gc.collect()
             t0 = time.perf_counter()
-            deferred = plane.deferred_cut()
+            deferred = adapter.deferred_cut()
             t1 = time.perf_counter()
             cut = deferred.materialize()
             t2 = time.perf_counter()
@@ -141,20 +150,29 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
             published = draft.publish()
             t4 = time.perf_counter()
             inside = probe.take()
-            times[f"{OURS} {SAVE}"].append(t4 - t0)
+            times[label].append(t4 - t0)
+            del cut
+            if adapter is not plane:
+                log(f"tq: {layout} {rows:,} rows: ours save without the capture (every row read with "
+                    f"kv_batch_get, as before) {t4 - t0:.2f} s")
+                return
             parts["listing"].append(t1 - t0)
             parts["tq_reads"].append(inside.get("_read_partition", 0.0))
+            parts["assemble"].append(inside.get("_read_planned", 0.0) - inside.get("_read_partition", 0.0))
             parts["arrow_build"].append(inside.get("_make_cut", 0.0))
             parts["write"].append(t3 - t2)
             parts["publish"].append(t4 - t3)
             files = common.snapshot_files(store_root, published.manifest.snapshot_id, published.manifest.sequence)
             sizes["ours"] = sum(p.stat().st_size for p in files)
             sizes["ours_rows_file"] = sum(f.size for f in published.manifest.files if f.kind == "training_rows")
-            del cut
             log(f"tq: {layout} {rows:,} rows, repeat {rep + 1}/{repeats}: ours save {t4 - t0:.2f} s "
-                f"(listing {t1 - t0:.3f}, TQ reads {inside.get('_read_partition', 0):.2f}, Arrow "
-                f"{inside.get('_make_cut', 0):.2f}, write {t3 - t2:.2f}, publish {t4 - t3:.3f}); "
-                f"{sizes['ours'] / MIB:.1f} MiB")
+                f"(listing {t1 - t0:.3f}, TQ reads {inside.get('_read_partition', 0):.2f}, capture "
+                f"{parts['assemble'][-1]:.2f}, Arrow {inside.get('_make_cut', 0):.2f}, write {t3 - t2:.2f}, "
+                f"publish {t4 - t3:.3f}); {sizes['ours'] / MIB:.1f} MiB")
+
+        def uncaptured_save() -> None:  # once: the same save reading every row back out of TQ
+            if rep == 0:
+                ours_save(TQDataPlane(capture_max_bytes=0), UNCAPTURED)
 
         def theirs_save() -> None:
             gc.collect()
@@ -173,15 +191,19 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
             assert snap is not None
             plane.load(snap, "tq")
             dt = time.perf_counter() - t0
-            inside = probe.take()
+            progress = plane.wait_loaded()
+            done = time.perf_counter() - t0
             times[f"{OURS} {LOAD}"].append(dt)
-            parts["tq_puts"].append(inside.get("restore_partitions", 0.0))
-            parts["snapshot_read"].append(dt - inside.get("restore_partitions", 0.0))
+            times[LOADED].append(done)
+            parts["snapshot_read"].append(dt)
+            parts["registered"].append(progress.registered_s if progress else 0.0)
+            parts["tq_puts"].append(done - dt)
             ok = _check(rows, fill)
             if not ok:
                 raise AssertionError(f"{layout} {rows} rows: TQ does not hold the rows after the adapter's load")
-            log(f"tq: {layout} {rows:,} rows, repeat {rep + 1}/{repeats}: ours load {dt:.2f} s "
-                f"(of which TQ puts {inside.get('restore_partitions', 0):.2f})")
+            log(f"tq: {layout} {rows:,} rows, repeat {rep + 1}/{repeats}: ours load returns in {dt:.2f} s, TQ "
+                f"holds every value after {done:.2f} s (keys registered at "
+                f"{progress.registered_s if progress else 0:.2f} s)")
 
         def theirs_load() -> None:
             plane.clear()
@@ -192,7 +214,7 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
                 raise AssertionError(f"{layout} {rows} rows: TQ does not hold the rows after tq.load_checkpoint")
             log(f"tq: {layout} {rows:,} rows, repeat {rep + 1}/{repeats}: tq.load_checkpoint {dt:.2f} s")
 
-        order = [(ours_save, theirs_save), (ours_load, theirs_load)]
+        order = [(ours_save, theirs_save), (uncaptured_save, lambda: None), (ours_load, theirs_load)]
         for a, b in order:
             for fn in ((a, b) if rep % 2 == 0 else (b, a)):
                 fn()
@@ -203,13 +225,15 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "rows": rows, "layout": layout, "repeats": repeats, "put_batch": batch, "raw_bytes": fill["raw_bytes"],
-        "fill_s": round(fill["fill_s"], 3), "times_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
+        "fill_s": round(fill["fill_s"], 3), "capture_s": round(fill["capture_s"], 4), "times_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "parts_median_s": {k: round(statistics.median(v), 4) for k, v in parts.items() if v},
         "bytes": {"ours": sizes["ours"], "ours_rows_file": sizes["ours_rows_file"], "tq": sizes["tq"],
                   "raw": fill["raw_bytes"]},
         "speedup": {SAVE: round(med[f"{THEIRS} {SAVE}"] / med[f"{OURS} {SAVE}"], 3),
-                    LOAD: round(med[f"{THEIRS} {LOAD}"] / med[f"{OURS} {LOAD}"], 3)},
+                    LOAD: round(med[f"{THEIRS} {LOAD}"] / med[f"{OURS} {LOAD}"], 3),
+                    LOADED: round(med[f"{THEIRS} {LOAD}"] / med[LOADED], 3),
+                    UNCAPTURED: round(med[f"{THEIRS} {SAVE}"] / med[UNCAPTURED], 3)},
         "size_vs_raw": {"ours": round(sizes["ours"] / fill["raw_bytes"], 4),
                         "tq": round(sizes["tq"] / fill["raw_bytes"], 4)},
         "checks": checks,
@@ -273,12 +297,14 @@ def _tq_version() -> str:
 def plot(result: dict[str, Any], results: Path) -> Path:
     series = []
     rows = result["rows"]
-    styles = {("dense", SAVE): "o-", ("dense", LOAD): "s-", ("ragged", SAVE): "o--", ("ragged", LOAD): "s--"}
+    styles = {SAVE: "o-", LOAD: "s-", LOADED: "^:"}
+    names = {SAVE: "save", LOAD: "load (returns)", LOADED: "load (TQ holds all)"}
     for layout in LAYOUTS:
-        for phase in (SAVE, LOAD):
+        for phase in (SAVE, LOAD, LOADED):
             ys = [next((m["speedup"][phase] for m in result["measured"] if m["rows"] == r and m["layout"] == layout),
                        None) for r in rows]
-            series.append((f"{layout}, {phase}: tq time / ours", rows, ys, styles[(layout, phase)]))
+            style = styles[phase] if layout == "dense" else styles[phase].replace("-", "--", 1)
+            series.append((f"{layout}, {names[phase]}: tq time / ours", rows, ys, style))
     return common.plot(results / common.png_name("tq_vs_checkpoint", result["quick"]),
                        "TQ adapter vs tq.save_checkpoint / load_checkpoint (higher: ours faster)",
                        "rows in TQ", "TQ's time / ours (x)", series, xticks=rows,
@@ -287,30 +313,30 @@ def plot(result: dict[str, Any], results: Path) -> Path:
                        note=f"{ROW_TOKENS} tokens/row (int32 + float32), {PUT_BATCH} rows per kv_batch_put")
 
 
+def _range(ms: list[dict[str, Any]], key: str, what: str) -> str:
+    """'what is Ax (layout, rows) to Bx (...) as fast as TransferQueue's checkpoint (meets/MISSES ...)'."""
+    vals = [(m["speedup"][key], m) for m in ms]
+    lo, hi = min(vals, key=lambda v: v[0]), max(vals, key=lambda v: v[0])
+    missed = sum(v < TARGET_SPEEDUP for v, _ in vals)
+    verdict = "meets" if not missed else f"MISSES, in {missed} of {len(vals)} rows,"
+    return (f"{what} {lo[0]:.2f}x ({lo[1]['layout']}, {lo[1]['rows']:,} rows) to {hi[0]:.2f}x ({hi[1]['layout']}, "
+            f"{hi[1]['rows']:,} rows) as fast as TransferQueue's own checkpoint ({verdict} the >= "
+            f"{TARGET_SPEEDUP:.0f}x target).")
+
+
 def summary(r: dict[str, Any]) -> list[str]:
-    out = []
     ms = r["measured"]
-    for phase in (SAVE, LOAD):
-        vals = [(m["speedup"][phase], m) for m in ms]
-        lo = min(vals, key=lambda v: v[0])
-        hi = max(vals, key=lambda v: v[0])
-        met = all(v >= TARGET_SPEEDUP for v, _ in vals)
-        out.append(f"{phase.capitalize()}: the adapter is {lo[0]:.2f}x ({lo[1]['layout']}, {lo[1]['rows']:,} rows) to "
-                   f"{hi[0]:.2f}x ({hi[1]['layout']}, {hi[1]['rows']:,} rows) as fast as TransferQueue's own "
-                   f"checkpoint ({'meets' if met else 'MISSES'} the >= {TARGET_SPEEDUP:.0f}x target"
-                   f"{'' if met else ' in ' + str(sum(v < TARGET_SPEEDUP for v, _ in vals)) + ' of ' + str(len(vals)) + ' rows'}).")
-    own = []
-    for m in ms:
-        p = m["parts_median_s"]
-        snap_save = sum(p.get(k, 0.0) for k in ("listing", "arrow_build", "write", "publish"))
-        own.append((m["median_s"][f"{THEIRS} {SAVE}"] / snap_save if snap_save else None, m,
-                    m["median_s"][f"{OURS} {SAVE}"] and p.get("tq_reads", 0.0) / m["median_s"][f"{OURS} {SAVE}"]))
-    big = [o for o in own if o[1]["rows"] == max(r["rows"]) and o[0] is not None]
-    if big:
-        out.append("Without TransferQueue's own reads (`kv_batch_get`: " + ", ".join(
-            f"{share:.0%} of the adapter's save, {m['layout']}" for _, m, share in big) + f", {max(r['rows']):,} rows), the "
-            "snapshot's side of the save (listing, Arrow build, write, publish) is " + ", ".join(
-            f"{x:.0f}x ({m['layout']})" for x, m, _ in big) + " as fast as TransferQueue's checkpoint.")
+    out = [_range(ms, SAVE, "Save: the adapter is"),
+           _range(ms, UNCAPTURED, "Save without the adapter's capture (every row read back with `kv_batch_get`, "
+                                  "the adapter before it kept its puts) was"),
+           _range(ms, LOAD, "Load, until the restore returns (every row read, checked and savable; TQ's keys being "
+                            "registered and values put in the background): the adapter is"),
+           _range(ms, LOADED, "Load, until TransferQueue itself holds every value (the background load's end, bound "
+                              "by `kv_batch_put`): the adapter is")]
+    shares = [m["capture_s"] / m["fill_s"] for m in ms if m["fill_s"]]
+    if shares:
+        out.append(f"Keeping each put's rows for the next save costs {min(shares):.2%}-{max(shares):.2%} of the "
+                   "time of the puts themselves (`kv_batch_put`).")
     sizes = [m["size_vs_raw"]["ours"] for m in ms]
     met = all(s <= TARGET_SIZE for s in sizes)
     theirs = [m["size_vs_raw"]["tq"] for m in ms]
@@ -321,8 +347,9 @@ def summary(r: dict[str, Any]) -> list[str]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    head = ("| rows | layout | values (raw) | ours: save s | tq: save s | save: tq / ours | ours: load s | tq: load s | "
-            "load: tq / ours | ours on disk | tq on disk | ours / raw | tq / raw |")
+    head = ("| rows | layout | values (raw) | ours: save s | tq: save s | save: tq / ours | ours, no capture: save s "
+            "| save: tq / no capture | ours: load returns s | tq: load s | load: tq / ours | ours: TQ holds all s | "
+            "load: tq / until TQ holds all | ours on disk | tq on disk | ours / raw | tq / raw |")
     lines = [
         "# TQ benchmark: the coordinator's TQ adapter vs TransferQueue's own checkpoint",
         "",
@@ -339,31 +366,34 @@ def markdown(r: dict[str, Any]) -> str:
         "## Time and bytes (same rows, same TQ)",
         "",
         head,
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in r["measured"]:
-        med, b = m["median_s"], m["bytes"]
+        med, b, x = m["median_s"], m["bytes"], m["speedup"]
         lines.append(
             f"| {m['rows']:,} | {m['layout']} | {b['raw'] / MIB:.1f} MiB | {common.secs(med['ours save'])} | "
-            f"{common.secs(med['tq save'])} | **{m['speedup'][SAVE]:.2f}x** | {common.secs(med['ours load'])} | "
-            f"{common.secs(med['tq load'])} | **{m['speedup'][LOAD]:.2f}x** | {b['ours'] / MIB:.1f} MiB | "
+            f"{common.secs(med['tq save'])} | **{x[SAVE]:.2f}x** | {common.secs(med[UNCAPTURED])} | "
+            f"{x[UNCAPTURED]:.2f}x | {common.secs(med['ours load'])} | {common.secs(med['tq load'])} | "
+            f"**{x[LOAD]:.2f}x** | {common.secs(med[LOADED])} | **{x[LOADED]:.2f}x** | {b['ours'] / MIB:.1f} MiB | "
             f"{_big(b['tq'])} | **{m['size_vs_raw']['ours']:.3f}x** | {m['size_vs_raw']['tq']:.2f}x |")
     lines += ["", "## Where the adapter's time goes (median s)", "",
-              "| rows | layout | repeats | save: listing (the pause's share) | save: TQ reads (`kv_batch_get`) | "
-              "save: Arrow build | save: write (checks, xxh3, fsync) | save: publish | load: read snapshot + parse | "
-              "load: TQ puts (`kv_batch_put`) | fill: `kv_batch_put` (not timed) |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| rows | layout | repeats | save: listing + plan (the pause's share) | save: TQ reads (keys not "
+              "captured) | save: capture assembled | save: Arrow build | save: write (checks, xxh3, fsync) | "
+              "save: publish | load: until it returns (read, verify, parse) | load: keys registered at | load: values "
+              "put after it returned | fill: `kv_batch_put` (not timed) | of which keeping the rows |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in r["measured"]:
         p = m["parts_median_s"]
         lines.append(f"| {m['rows']:,} | {m['layout']} | {m['repeats']} | {common.secs(p.get('listing'))} | "
-                     f"{common.secs(p.get('tq_reads'))} | {common.secs(p.get('arrow_build'))} | "
-                     f"{common.secs(p.get('write'))} | {common.secs(p.get('publish'))} | "
-                     f"{common.secs(p.get('snapshot_read'))} | {common.secs(p.get('tq_puts'))} | "
-                     f"{common.secs(m['fill_s'])} |")
+                     f"{common.secs(p.get('tq_reads'))} | {common.secs(p.get('assemble'))} | "
+                     f"{common.secs(p.get('arrow_build'))} | {common.secs(p.get('write'))} | "
+                     f"{common.secs(p.get('publish'))} | {common.secs(p.get('snapshot_read'))} | "
+                     f"{common.secs(p.get('registered'))} | {common.secs(p.get('tq_puts'))} | "
+                     f"{common.secs(m['fill_s'])} | {common.secs(m['capture_s'])} |")
     if r["sweep"]:
         lines += ["", f"## TQ's checkpoint against its put batch (dense, {r['sweep_rows']:,} rows, one run each)", "",
                   "| rows per `kv_batch_put` | tq on disk | tq / raw | tq: save s | ours: save s | save: tq / ours | "
-                  "tq: load s | ours: load s | load: tq / ours |",
+                  "tq: load s | ours: load returns s | load: tq / ours |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in r["sweep"]:
             med = m["median_s"]
@@ -377,11 +407,10 @@ def markdown(r: dict[str, Any]) -> str:
         big = [m for m in r["measured"] if m["rows"] == max(r["rows"])]
         est = sum(m["fill_s"] + sum(m["median_s"].values()) for m in big) * r["skipped"] / max(r["rows"])
         tq_disk = sum(m["bytes"]["tq"] for m in big) * r["skipped"] / max(r["rows"])
-        lines += ["", f"**{r['skipped']:,} rows: not run.** Every phase above is linear in the number of rows (TQ's "
-                  f"per-row work dominates both methods), so one pass over both layouts would take about "
-                  f"{est / 60:.0f} min (fill + one save and load of each method, extrapolated from "
-                  f"{max(r['rows']):,} rows) and TQ's checkpoints would need about {tq_disk / GIB:.0f} GiB of disk: "
-                  f"well beyond the section's 10-minute bound on this 2-core machine."]
+        lines += ["", f"**{r['skipped']:,} rows: not run.** Every phase above is linear in the number of rows, so "
+                  f"one pass over both layouts would take about {est / 60:.0f} min (fill + one save and load of each "
+                  f"method, extrapolated from {max(r['rows']):,} rows; the fill and TransferQueue's own checkpoint "
+                  f"are most of it) and TQ's checkpoints would need about {tq_disk / GIB:.0f} GiB of disk."]
     lines += [
         "",
         "Notes:",
@@ -389,13 +418,19 @@ def markdown(r: dict[str, Any]) -> str:
         "**on disk**: every file of the snapshot (rows file, part manifest, manifest, commit record) / every file "
         "of TQ's checkpoint folder. **raw** = the values' own bytes (int32 and float32 elements: 8 bytes per token "
         "+ 4 for `input_lengths`), no keys, tags or offsets.",
-        "- Ours, save = `deferred_cut()` (TQ's listing: what the pause holds) + `materialize()` (`kv_batch_get` of "
-        "every key, values built into one Arrow table) + `SnapshotStore.begin()` + `write_cut(...)` into the draft's "
-        "`tq` part (row checks, xxh3-128, fsync) + `publish()` (part manifest, manifest, commit record, fsyncs). "
-        "TQ, save = `tq.save_checkpoint(dir)`: pickles the controller's state and the storage unit's per-row values "
-        "(`su_*.pkl`), renames the folder into place; it does not fsync.",
+        "- Ours, save = `deferred_cut()` (TQ's listing, and the plan of which kept rows the cut takes: what the "
+        "pause holds) + `materialize()` (the rows the adapter kept when it put them, assembled; `kv_batch_get` only "
+        "for keys it did not put, none here) + `SnapshotStore.begin()` + `write_cut(...)` into the draft's `tq` part "
+        "(row checks, xxh3-128, fsync) + `publish()` (part manifest, manifest, commit record, fsyncs). **No "
+        "capture** is the same save by an adapter that kept nothing, so every row is read back with `kv_batch_get` "
+        "(the adapter before the capture; run once per row count). TQ, save = `tq.save_checkpoint(dir)`: pickles "
+        "the controller's state and the storage unit's per-row values (`su_*.pkl`), renames the folder into place; "
+        "it does not fsync.",
         "- Ours, load = TQ cleared, then `SnapshotStore(path).latest()` + `TQDataPlane.load(snap, \"tq\")` "
-        "(checksum verified, rows parsed, put back with `kv_batch_put`). TQ, load = TQ cleared, then "
+        "(checksum verified, rows parsed and kept by the adapter): it **returns** there, and a thread registers "
+        "every key in TQ (in order, with its tag) and then puts the values with `kv_batch_put`; **TQ holds all** "
+        "is `wait_loaded()` returning. Until the keys are registered the adapter's puts and cuts wait (so TQ keeps "
+        "the snapshot's order); a save meanwhile needs nothing from TQ. TQ, load = TQ cleared, then "
         "`tq.load_checkpoint(dir)` (the storage unit unpickles its file, the controller its state). Both read "
         "files just written: page cache warm.",
         f"- TQ's checkpoint of a **dense** column is about {r['put_batch']}x the values: each row TQ holds is a view "
@@ -404,10 +439,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"the benchmark caps B at {r['put_batch']} so the 100,000-row run stays a few GB; a larger batch makes TQ's "
         "checkpoint (and its time) proportionally larger, the adapter's unchanged. Ragged (jagged) rows are copied "
         "per row and weigh about the values plus pickle's per-tensor overhead.",
-        "- Both methods spend most of their time in TransferQueue's own per-row data path: the adapter's save is "
-        "mostly `kv_batch_get` and its load mostly `kv_batch_put` (table above), each a few tens of MB/s here "
-        "(ZMQ round trips and per-row dictionaries in the storage unit), against which the snapshot's own write "
-        "and read are small.",
+        "- TransferQueue's own data path moves every row's every field as its own msgpack-encoded tensor over ZMQ "
+        "(tens of MB/s here): that is what `kv_batch_get` cost a save before the capture, and what `kv_batch_put` "
+        "still costs until TQ holds every restored value. Nothing in TQ 0.1.11's public API puts rows in bulk.",
     ]
     for m in r["measured"]:
         for c in m["checks"]:

@@ -60,10 +60,13 @@ def test_new_sections_smallest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     rows = tq_bench.SMALLEST["rows"][0]
     assert [(m["rows"], m["layout"]) for m in tq["measured"]] == [(rows, "dense"), (rows, "ragged")]
     for m in tq["measured"]:
-        assert set(m["median_s"]) == {"ours save", "tq save", "ours load", "tq load"}
+        assert set(m["median_s"]) == {"ours save", "tq save", "ours load", "tq load", tq_bench.LOADED,
+                                      tq_bench.UNCAPTURED}
         assert all(v > 0 for v in m["median_s"].values()) and m["raw_bytes"] > 0
-        assert m["bytes"]["ours"] > 0 and m["bytes"]["tq"] > 0 and set(m["speedup"]) == {"save", "load"}
+        assert m["bytes"]["ours"] > 0 and m["bytes"]["tq"] > 0 and set(m["speedup"]) == {"save", "load", tq_bench.LOADED,
+                                                                                   tq_bench.UNCAPTURED}
         assert m["checks"] and "equal what was put" in m["checks"][0]
+        assert m["parts_median_s"]["tq_reads"] == 0  # a save of rows the adapter put reads none back
     assert [m["put_batch"] for m in tq["sweep"]] == list(tq_bench.SMALLEST["sweep_batches"])
     assert f"| {rows} | dense |" in md["tq"] and f"| {rows} | ragged |" in md["tq"] and "target" in md["tq"]
     _png(results / "tq_vs_checkpoint-quick.png")
