@@ -51,6 +51,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.common import GIB, MIB, Log
+from benchmarks.memory_bench import Sampler
 
 MODEL_SLOW_MS = 50
 TURNS = 64
@@ -232,7 +233,9 @@ def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], f
                 job.ctl.config = msgspec.structs.replace(job.ctl.config, write_mode=mode)
                 job.ctl.store = SnapshotStore(str(stores[mode]))
             probe.take()
-            report = job.ctl.save_now(wait=True)
+            with Sampler() as mem:  # the whole save, its background write included (wait=True)
+                before = mem.now()
+                report = job.ctl.save_now(wait=True)
             inside = probe.take()
             if not report.published or report.error:
                 raise RuntimeError(f"save ({mode}, N={n}, {target >> 20} MiB) failed: {report.error}")
@@ -241,7 +244,9 @@ def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], f
                  "steps_s": dict(report.steps_s), "cut_bytes": report.cut_bytes, "rows": dict(report.rows),
                  "parked": parked, "snapshot": snap, "store": str(stores[mode]), "order": i,
                  "write_tq_reads_s": round(inside.get("_read_partition", 0.0), 6),
-                 "write_arrow_build_s": round(inside.get("_make_cut", 0.0), 6)}
+                 "write_arrow_build_s": round(inside.get("_make_cut", 0.0), 6),
+                 "anon_before": before["RssAnon"], "peak_anon_above": mem.peak["RssAnon"] - before["RssAnon"],
+                 "capture_bytes": job.ctl.plane.capture.nbytes if job.ctl.plane.capture is not None else 0}
             saves[mode] = s
             st = report.steps_s
             log(f"pause: N={n:,}, TQ {common.size_label(target)}, {mode}: pause {common.ms(report.pause_s)} ms "
@@ -480,8 +485,9 @@ def _step(s: dict[str, Any], name: str) -> str:
 
 def _pause_table(points: list[dict[str, Any]], first_col: str) -> list[str]:
     lines = [f"| {first_col} | mode | **pause** | flush ACKs | prepare | Gym commit | cut | write | "
-             "of which TQ reads (`kv_batch_get`) | publish | resume | parked | TQ rows in the cut | snapshot |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "of which TQ reads (`kv_batch_get`) | publish | resume | parked | TQ rows in the cut | snapshot | "
+             "rows the adapter keeps | peak memory above the save's start |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         key = f"{p['n']:,}" if first_col == "rollouts" else common.size_label(p["bytes_target"])
         for mode in MODES:
@@ -496,7 +502,8 @@ def _pause_table(points: list[dict[str, Any]], first_col: str) -> list[str]:
                          + " | ".join(_step(s, k) for k in ("flush_acks", "prepare", "gym_commit", "cut", "write"))
                          + f" | {reads} | "
                          + " | ".join(_step(s, k) for k in ("publish", "resume"))
-                         + f" | {s['parked']} | {rows:,} | {s['snapshot']['bytes'] / MIB:,.1f} MiB |")
+                         + f" | {s['parked']} | {rows:,} | {s['snapshot']['bytes'] / MIB:,.1f} MiB | "
+                         f"{s.get('capture_bytes', 0) / MIB:,.0f} MiB | {s.get('peak_anon_above', 0) / MIB:,.0f} MiB |")
     return lines
 
 
@@ -606,10 +613,15 @@ def pause_markdown(result: dict[str, Any], results: Path | None) -> str:
         "the end of Gym's resume. Columns are `steps_s`: **flush ACKs** (`collect`: finished results stored, "
         "acknowledgements sent), **prepare** (NemoGym: model admission paused, agents park every rollout at a turn "
         "end, resources freeze), **Gym commit** (each server writes its part into the draft), **cut** (TQ's listing "
-        "of keys and tags + the controller's records, in memory), **write** (every TQ value read with "
-        "`kv_batch_get`, built into Arrow, written with checks, xxh3-128 and fsync; **of which TQ reads**: the "
-        "adapter's `_read_partition` calls, timed by wrapping them on the controller's adapter instance), **publish** (manifest, "
+        "of keys and tags, the plan of which kept rows the cut takes, and the controller's records, in memory), "
+        "**write** (the rows the controller's adapter kept as it put them, built into Arrow, written with checks, "
+        "xxh3-128 and fsync; **of which TQ reads**: the adapter's `_read_partition` calls for keys it did not put, "
+        "with `kv_batch_get`, timed by wrapping them on the controller's adapter instance), **publish** (manifest, "
         "commit record), **resume**.",
+        "- **rows the adapter keeps**: the values the adapter holds for the next save (its capture; held before the "
+        "save began, so not in the next column). **peak memory above the save's start**: the benchmark process's "
+        "(the controller's) peak `RssAnon` during the save, background write included, above its value when the save "
+        "began, sampled every 5 ms: what the save itself allocates (the Arrow tables it builds and writes).",
         "- With `background`, write and publish run after the resume in the writer thread while the rollouts run "
         "again: shown in parentheses, not part of the pause. With `in_pause`, they are inside it. "
         "`save_now(wait=True)` waits for the background write, so every snapshot in the tables was published.",
