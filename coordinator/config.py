@@ -17,6 +17,8 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     after Gym resumes (the pause holds only the drain, Gym's commit and the in-memory cut), one save
     in flight at a time; ``"in_pause"`` does everything before resuming, in the design note's order.
     A cut larger than ``max_cut_bytes`` is written in the pause whatever the mode (logged).
+    ``capture_max_bytes``: how much of the rows it puts the TransferQueue adapter keeps, so a save
+    need not read them back out of TQ (0 keeps none; past it, later rows are read back at save time).
     """
 
     snapshot_attempt_interval_s: Positive | None = None
@@ -33,3 +35,4 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     gym_unreachable_s: Positive = 20.0
     compression: Literal["none", "zstd", "lz4"] = "none"
     data_plane_timeout_s: Positive = 300.0  # a TransferQueue call that takes longer fails the step (a dead storage unit)
+    capture_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 << 30

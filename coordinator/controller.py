@@ -74,7 +74,7 @@ class RunOutcome(msgspec.Struct, kw_only=True):
     seconds: float
 
 
-def make_data_plane(kind: str, timeout_s: float = 300.0) -> DataPlane:
+def make_data_plane(kind: str, timeout_s: float = 300.0, capture_max_bytes: int = 4 << 30) -> DataPlane:
     """``tq``: TransferQueue on this Ray cluster (attaches to the running one); ``memory``: in-process."""
     parts = {TOKEN_PARTITION}
     if kind == "memory":
@@ -87,7 +87,7 @@ def make_data_plane(kind: str, timeout_s: float = 300.0) -> DataPlane:
         from coordinator.tq_adapter import TQDataPlane
 
         tq.init()  # attaches to the TransferQueue the driver started
-        return TQDataPlane(parts, call_timeout_s=timeout_s)
+        return TQDataPlane(parts, call_timeout_s=timeout_s, capture_max_bytes=capture_max_bytes)
     raise ValueError(f"data plane {kind!r} is not 'tq' or 'memory'")
 
 
@@ -100,7 +100,7 @@ class SingleController:
         self.store = SnapshotStore(store_url)
         self.gym = GymHandle(gym_actor)
         self.workload = workload
-        self.plane = make_data_plane(data_plane, config.data_plane_timeout_s)
+        self.plane = make_data_plane(data_plane, config.data_plane_timeout_s, config.capture_max_bytes)
         self.books = Bookkeeping.fresh(workload)
         self.steps = Steps(crash_plan)
         self.writer = BackgroundWriter(self, self._background_done)

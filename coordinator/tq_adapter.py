@@ -128,7 +128,9 @@ class TQDataPlane(DataPlane):
     """TransferQueue as a :class:`~coordinator.data_plane.DataPlane` (TQ must be initialised).
 
     ``chunk_rows`` bounds how many keys one ``kv_batch_get`` / ``kv_batch_put`` carries (0: all of
-    a partition's group at once); a background load puts at most ``load_chunk_rows`` per call.
+    a partition's group at once); a background load puts at most ``load_chunk_rows`` per call (TQ
+    keeps each row of a dense put as a view of the put's whole tensor, so this also bounds what
+    TQ's own ``save_checkpoint`` writes per row, should anyone call it).
 
     With ``write_once`` (every key is put once, through this adapter, with all its fields, and not
     changed while it exists), the adapter keeps what it puts (:mod:`coordinator.tq_capture`, up to
