@@ -80,8 +80,8 @@ def save(store: SnapshotStore, seed: int) -> int:
     return draft.sequence
 
 
-def write_parts(draft, seed: int, large: bool = False) -> None:
-    draft.part("tq").write_rows("training.arrow", "training_rows", training(seed, large))
+def write_parts(draft, seed: int) -> None:
+    draft.part("tq").write_rows("training.arrow", "training_rows", training(seed))
     draft.part("controller").write_json("loader", "loader_place", LoaderPlace(epoch=0, consumed=seed, seed=seed))
 
 
