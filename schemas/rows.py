@@ -1,7 +1,8 @@
 """Arrow schemas of the two row tables, and the checks every row batch must pass.
 
 Required columns MUST be present with exactly these types (so a reader can memory-map them without
-conversion); a writer MAY add further columns, which readers ignore unless they know them.
+conversion); a writer MAY add further columns, which readers ignore unless they know them. Columns
+these schemas declare not nullable MUST hold no nulls, whatever a file's own schema declares.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ TRAINING_SCHEMA = pa.schema(
 ROW_SCHEMAS: dict[str, pa.Schema] = {
     "token_capture_rows": TOKEN_CAPTURE_SCHEMA,
     "training_rows": TRAINING_SCHEMA,
+}
+
+#: Per kind, the columns that MUST hold no nulls: taken from the canonical schemas above, never from a
+#: file's own schema (which may declare a required column nullable: Arrow enforces neither flag).
+NON_NULLABLE: dict[str, tuple[pa.Field, ...]] = {
+    kind: tuple(field for field in schema if not field.nullable) for kind, schema in ROW_SCHEMAS.items()
 }
 
 _ROLLOUT_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -134,12 +141,30 @@ def _first_bad(mask: pa.Array) -> int | None:
     return pc.index(mask, True).as_py()
 
 
-def _length(count: pa.Scalar) -> str:
-    return "null (no list)" if count.as_py() is None else str(count.as_py())
+def check_no_nulls(kind: str, batch: pa.RecordBatch, where: str) -> None:
+    """Every column that ``kind``'s canonical schema declares not nullable holds no null.
+
+    Readers and writers both call it: Arrow checks a field's ``nullable`` flag neither when it
+    writes nor when it reads, so a file may carry nulls in a column declared not nullable, or
+    declare the column nullable. ``null_count`` is known per array (O(1) per column); the first
+    offending row is searched for only once a null is known to be there.
+    """
+    for field in NON_NULLABLE[kind]:
+        idx = batch.schema.get_field_index(field.name)
+        if idx < 0:
+            raise InvalidRecordError(f"{where}: column {field.name!r} is missing (expected {field.type})")
+        col = batch.column(idx)
+        if col.null_count:
+            row = pc.index(pc.is_null(col), True).as_py()
+            raise InvalidRecordError(
+                f"{where}: row {row}: column {field.name!r} is null "
+                f"(expected a {field.type} value: the column is not nullable)")
 
 
 def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
-    """Row-level rules, vectorised: Gym's id and capture-key rules, matching list lengths."""
+    """Row-level rules, vectorised: no nulls in required columns, Gym's id and capture-key rules,
+    matching list lengths."""
+    check_no_nulls(kind, batch, where)
     for name in ("rollout_id",):
         col = batch.column(name)
         i = _first_bad(pc.match_substring_regex(col, _ROLLOUT_ID_BREACH_RE))
@@ -174,11 +199,10 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
     gen_len = pc.list_value_length(batch.column("generation_token_ids"))
     lp_len = pc.list_value_length(batch.column("generation_log_probs"))
     i = _first_bad(pc.not_equal(gen_len, lp_len))
-    if i is not None:
-        # Lengths, not len(list[i]): a null list (in a column that must have none) has no len().
+    if i is not None:  # both columns are not nullable (checked above): every length is a number
         raise InvalidRecordError(
-            f"{where}: row {i}: generation_log_probs has {_length(lp_len[i])} values for "
-            f"{_length(gen_len[i])} generation_token_ids (expected equal lengths)"
+            f"{where}: row {i}: generation_log_probs has {lp_len[i].as_py()} values for "
+            f"{gen_len[i].as_py()} generation_token_ids (expected equal lengths)"
         )
     res = batch.column("parent_resolution")
     i = _first_bad(pc.and_(pc.is_valid(res), pc.invert(pc.is_in(res, value_set=_PARENT_RESOLUTIONS))))

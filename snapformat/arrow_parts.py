@@ -14,7 +14,7 @@ import pyarrow as pa
 import xxhash
 
 from schemas.errors import CorruptSnapshotError, InvalidRecordError
-from schemas.rows import ROW_SCHEMAS, check_schema, conform, validate_batch
+from schemas.rows import ROW_SCHEMAS, check_no_nulls, check_schema, conform, validate_batch
 from snapformat.checksum import HashingWriter, check
 from snapformat.ipc_bounds import check_declared_sizes
 
@@ -84,7 +84,9 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
     and the batch and row counts must match the manifest, and every batch is validated in full:
     Arrow's reader checks only buffer sizes, so offsets pointing past their data (which a matching
     checksum does not rule out, it guards against corruption, not malice) would otherwise reach
-    the caller. Full validation costs a few ms per GB, far less than the checksum.
+    the caller. Full validation costs a few ms per GB, far less than the checksum. No column the
+    canonical schema declares not nullable may hold a null, whatever the file's schema declares
+    (one ``null_count`` per column and batch).
     """
     if buf.size != size:
         raise CorruptSnapshotError(f"{where}: size is {buf.size} bytes, the manifest says {size}")
@@ -113,6 +115,7 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
                 batch.validate(full=True)
             except (pa.ArrowException, OSError) as exc:  # ArrowMemoryError too: never a bare MemoryError
                 raise CorruptSnapshotError(f"{where}: record batch {i} is unreadable: {exc}") from None
+            check_no_nulls(kind, batch, f"{where}: record batch {i}")  # against the canonical schema
             n += batch.num_rows
         if n != records:
             raise CorruptSnapshotError(f"{where}: has {n} rows, the manifest says {records}")

@@ -27,6 +27,12 @@ MAX_LINE = 16 << 20
 #: beyond this many times the stored size is impossible and is refused before decompressing. LZ4
 #: (Arrow's other codec) expands at most ~255-fold, so the bound holds for it too.
 ZSTD_MAX_EXPANSION = 32768
+#: The largest zstd window a reader decodes with (window log 23). A frame's header says how much
+#: history its decoder must keep, and a streaming decoder allocates that much before the first byte
+#: of output: zstd's own default limit, 128 MiB, would let a 20-byte frame claim 128 MiB per open
+#: reader. The reference writer (level 3, streamed) uses 2 MiB; every level up to 19 uses at most
+#: 8 MiB; only levels 20-22 and long-distance matching use more, and writers MUST NOT.
+ZSTD_MAX_WINDOW = 8 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _CHUNK = 8 << 20
 _ENCODE_BATCH = 4096
@@ -138,7 +144,9 @@ def _check_zstd_sizes(data: bytes, content_size: int, where: str) -> None:
 
     The frame's own content size is never trusted to be right, but one larger than the manifest's
     ``content_size`` cannot be right either (zstd checks it once the frame ends), so it is refused
-    up front instead of after decompressing up to ``content_size``.
+    up front instead of after decompressing up to ``content_size``. So is a window past
+    :data:`ZSTD_MAX_WINDOW`, with a message that says so (the decoder would refuse it too, in
+    zstd's words).
     """
     limit = ZSTD_MAX_EXPANSION * len(data)
     if content_size > limit:
@@ -148,20 +156,32 @@ def _check_zstd_sizes(data: bytes, content_size: int, where: str) -> None:
     if not data.startswith(_ZSTD_MAGIC):
         return  # a skippable frame first, or no zstd at all: the decoder decides
     try:
-        declared = zstandard.get_frame_parameters(data).content_size
+        params = zstandard.get_frame_parameters(data)
     except zstandard.ZstdError:
         return  # a damaged header: the decoder names it
+    declared = params.content_size
     if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > content_size:
         raise CorruptSnapshotError(
             f"{where}: its zstd frame declares {declared} bytes of content, the manifest says content_size "
             f"{content_size}")
+    if params.window_size > ZSTD_MAX_WINDOW:
+        raise CorruptSnapshotError(f"{where}: {_window_too_large(params.window_size)}")
+
+
+def _window_too_large(window: int | None) -> str:
+    size = "more than" if window is None else f"{window:,} bytes, more than"
+    return (f"its zstd frame needs a window of {size} the {ZSTD_MAX_WINDOW:,} bytes readers allow "
+            "(expected a frame compressed at zstd level 19 or below, without long-distance matching)")
 
 
 class _BoundedZstd(io.RawIOBase):
-    """Decompresses at most ``limit`` bytes (the manifest's content_size): no zstd bombs."""
+    """Decompresses at most ``limit`` bytes (the manifest's content_size) with a window of at most
+    :data:`ZSTD_MAX_WINDOW`: no zstd bombs, neither of output nor of decoder memory."""
 
     def __init__(self, data: bytes, limit: int, where: str) -> None:
-        self._reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+        # The window bound also covers frames after the first, whose headers were not checked up front.
+        decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        self._reader = decompressor.stream_reader(io.BytesIO(data), read_across_frames=True)
         self._left = limit
         self._where = where
 
@@ -173,6 +193,8 @@ class _BoundedZstd(io.RawIOBase):
         try:
             out = self._reader.read(min(want, self._left + 1))
         except zstandard.ZstdError as exc:
+            if "too much memory" in str(exc):  # zstd's words for a window past max_window_size
+                raise CorruptSnapshotError(f"{self._where}: {_window_too_large(None)}") from None
             raise CorruptSnapshotError(f"{self._where}: zstd data is corrupt: {exc}") from None
         self._left -= len(out)
         if self._left < 0:

@@ -689,6 +689,9 @@ def constants_block() -> str:
         ("features reserved", ", ".join(f"`{f}`" for f in sorted(version.RESERVED_FEATURES)), "`RESERVED_FEATURES`"),
         ("JSON-lines zstd threshold", f"{jsonl.ZSTD_THRESHOLD:,} bytes of content (256 KiB)", "`ZSTD_THRESHOLD`"),
         ("zstd level used by the reference writer", str(jsonl.ZSTD_LEVEL), "`ZSTD_LEVEL`"),
+        ("largest zstd window a reader decodes with",
+         f"{jsonl.ZSTD_MAX_WINDOW:,} bytes ({jsonl.ZSTD_MAX_WINDOW >> 20} MiB, "
+         f"window log {jsonl.ZSTD_MAX_WINDOW.bit_length() - 1})", "`ZSTD_MAX_WINDOW`"),
         ("longest JSON line", f"{jsonl.MAX_LINE:,} bytes", "`MAX_LINE`"),
         ("largest manifest", f"{reader.MAX_MANIFEST_BYTES:,} bytes", "`MAX_MANIFEST_BYTES`"),
         ("most file entries in a manifest", f"{_max_files():,}", "`Manifest.files`"),

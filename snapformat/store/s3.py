@@ -10,7 +10,9 @@
 * Large objects go up as multipart uploads whose parts are sent in parallel, with at most
   ``max_inflight_parts`` parts buffered: memory is bounded by ``part_size * (max_inflight + 1)``.
 * Endpoint, credentials and region come from the usual AWS variables (``AWS_ENDPOINT_URL``,
-  ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``) or explicit options.
+  ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``) or explicit options; how long
+  to wait for the store and how often to try again from :class:`S3Timeouts` (options, or the
+  ``SNAPFORMAT_S3_*`` variables). A store that stops answering fails each request within a bound.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
+
+import msgspec
 
 from schemas.errors import CommitConflictError, SnapshotError, StoreError
 from snapformat.store.base import ObjectInfo, Store, WriteStream
 
 try:
+    import aiobotocore.session
     import botocore.exceptions
     import s3fs
 except ImportError as exc:  # pragma: no cover - exercised only without the optional deps
@@ -35,6 +40,96 @@ PART_SIZE = 16 << 20
 MAX_INFLIGHT_PARTS = 4
 _CONFLICT_RETRIES = 5
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
+#: Variables that set :class:`S3Timeouts` when no explicit option does (every process of a job,
+#: Gym servers included, opens its stores from URLs: a variable reaches them all).
+CONNECT_TIMEOUT_VAR = "SNAPFORMAT_S3_CONNECT_TIMEOUT_S"
+READ_TIMEOUT_VAR = "SNAPFORMAT_S3_READ_TIMEOUT_S"
+RETRIES_VAR = "SNAPFORMAT_S3_RETRIES"
+_T = TypeVar("_T")
+
+
+class S3Timeouts(msgspec.Struct, frozen=True, kw_only=True):
+    """How long each S3 request waits for the store, and how often a failed one is tried again.
+
+    botocore tries a request again ``retries`` times after a transient failure (a timeout, a lost
+    connection, a 5xx, throttling), with backoff under a second or two per try. A request the store
+    never answers therefore fails after at most :attr:`attempts` tries of up to
+    ``connect_s + read_s`` each: about 3.3 min with the defaults, a second or two with
+    ``read_s=1, retries=0``.
+    """
+
+    connect_s: float = 5.0
+    read_s: float = 60.0
+    retries: int = 2
+
+    @property
+    def attempts(self) -> int:
+        """The most tries one request gets."""
+        return self.retries + 1
+
+    @classmethod
+    def resolve(cls, connect_s: float | None = None, read_s: float | None = None,
+                retries: int | None = None) -> S3Timeouts:
+        """Explicit values first, then the ``SNAPFORMAT_S3_*`` variables, then the defaults; a value
+        that is not a positive number of seconds (or a count of 0 or more) is a :class:`StoreError`
+        naming where it came from."""
+        default, seconds, count = cls(), "a positive number of seconds", "a whole number of 0 or more"
+        return cls(
+            connect_s=_resolve(connect_s, "connect_timeout", CONNECT_TIMEOUT_VAR, default.connect_s,
+                               _positive_seconds, seconds),
+            read_s=_resolve(read_s, "read_timeout", READ_TIMEOUT_VAR, default.read_s, _positive_seconds, seconds),
+            retries=_resolve(retries, "retries", RETRIES_VAR, default.retries, _retry_count, count))
+
+
+def _resolve(value: Any, option: str, variable: str, default: _T, parse: Callable[[Any], _T | None],
+             expected: str) -> _T:
+    """``value`` if given, else the variable's, else ``default``; parsed, or refused naming its source."""
+    source = f"S3 option {option}"
+    if value is None:
+        value, source = os.environ.get(variable, "").strip() or None, variable
+    if value is None:
+        return default
+    parsed = parse(value)
+    if parsed is None:
+        raise StoreError(f"{source}={value!r} is not {expected}")
+    return parsed
+
+
+def _positive_seconds(raw: Any) -> float | None:
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds > 0 else None  # NaN is not > 0 either
+
+
+def _retry_count(raw: Any) -> int | None:
+    if isinstance(raw, float):
+        return None
+    try:
+        count = int(raw)
+    except (TypeError, ValueError):
+        return None
+    return count if count >= 0 else None
+
+
+def _without_expect_continue(params: dict[str, Any], **_: Any) -> None:
+    """Drop the ``Expect: 100-continue`` header botocore puts on every S3 request with a body.
+
+    aiohttp waits for the server's "100 Continue" with no timeout at all (its read timeout starts
+    only after): a store that accepts the connection and then stalls would hang every PutObject
+    and UploadPart forever. Without the header the body is sent at once and the read timeout
+    bounds the wait for the answer. (The header only saves sending a body the server would refuse;
+    SigV4 does not sign it.)
+    """
+    params.get("headers", {}).pop("Expect", None)
+
+
+def _session() -> aiobotocore.session.AioSession:
+    session = aiobotocore.session.AioSession()
+    # Last: botocore's own handler on the same event adds the header.
+    session.get_component("event_emitter").register_last("before-call.s3", _without_expect_continue)
+    return session
 
 
 def _client_error(exc: BaseException) -> dict[str, Any] | None:
@@ -47,6 +142,21 @@ def _client_error(exc: BaseException) -> dict[str, Any] | None:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         seen += 1
     return None
+
+
+def _tries(n: int) -> str:
+    return "1 try" if n == 1 else f"{n} tries"
+
+
+def _caused_by(exc: BaseException, *kinds: type[BaseException]) -> bool:
+    """``exc`` or an exception it was raised from is one of ``kinds`` (s3fs wraps botocore's)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, kinds):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
 
 
 def _code(exc: BaseException) -> str:
@@ -75,8 +185,10 @@ class S3Store(Store):
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, key: str | None = None,
                  secret: str | None = None, region: str | None = None, part_size: int = PART_SIZE,
-                 max_inflight_parts: int = MAX_INFLIGHT_PARTS, connect_timeout: float = 5.0,
-                 read_timeout: float = 60.0, retries: int = 2) -> None:
+                 max_inflight_parts: int = MAX_INFLIGHT_PARTS, connect_timeout: float | None = None,
+                 read_timeout: float | None = None, retries: int | None = None) -> None:
+        """``connect_timeout``, ``read_timeout`` (seconds) and ``retries``: see :class:`S3Timeouts`;
+        each unset one comes from its ``SNAPFORMAT_S3_*`` variable, else the default (5, 60, 2)."""
         if not url.startswith("s3://"):
             raise StoreError(f"{url}: not an s3:// URL")
         path = url[len("s3://"):].rstrip("/")
@@ -88,18 +200,22 @@ class S3Store(Store):
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self.part_size = part_size
         self.max_inflight_parts = max_inflight_parts
+        self.timeouts = S3Timeouts.resolve(connect_timeout, read_timeout, retries)
         self.fs = s3fs.S3FileSystem(
-            key=key, secret=secret,
+            key=key, secret=secret, session=_session(),
             use_listings_cache=False,  # discovery must see every commit, never a cached listing
             skip_instance_cache=True,
             client_kwargs={"endpoint_url": self.endpoint_url,
                            "region_name": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"},
             config_kwargs={"request_checksum_calculation": "when_required",
                            "response_checksum_validation": "when_required",
-                           "connect_timeout": connect_timeout, "read_timeout": read_timeout,
-                           "retries": {"max_attempts": retries, "mode": "standard"}},
+                           "connect_timeout": self.timeouts.connect_s, "read_timeout": self.timeouts.read_s,
+                           "retries": {"max_attempts": self.timeouts.retries, "mode": "standard"}},
         )
-        self.fs.retries = retries  # s3fs's own retry loop (on top of botocore's): keep failures bounded
+        # One try per call in s3fs's own retry loop: it wraps botocore's (and nests inside itself for
+        # reads), which multiplied the tries of an unanswered request by 4 with retries=2 (12 tries
+        # of a GET, 13 min, not the 3 a reader of "retries=2" expects). botocore's loop alone retries.
+        self.fs.retries = 1
         self._bucket_checked = False
 
     # -- paths and errors --------------------------------------------------------------------
@@ -119,9 +235,20 @@ class S3Store(Store):
                               "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the key/secret options")
         if code == "NoSuchBucket":
             return StoreError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}; create it or fix the URL")
-        if isinstance(exc, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError,
-                            botocore.exceptions.ReadTimeoutError, ConnectionError, TimeoutError)) or "connect" in str(exc).lower():
-            return StoreError(f"{where}: cannot {action}: S3 endpoint {self.endpoint_url or 'AWS'} unreachable or stalled ({exc})")
+        endpoint = self.endpoint_url or "AWS"
+        t = self.timeouts
+        if _caused_by(exc, botocore.exceptions.ConnectTimeoutError):
+            return StoreError(f"{where}: cannot {action}: S3 endpoint {endpoint} did not accept a connection "
+                              f"(connect timeout {t.connect_s:g} s per try, at most {_tries(t.attempts)}; "
+                              f"{CONNECT_TIMEOUT_VAR}, {RETRIES_VAR}): {exc}")
+        if _caused_by(exc, botocore.exceptions.ReadTimeoutError, TimeoutError):
+            # Connected, then no answer: a stalled store, not a missing one.
+            return StoreError(f"{where}: cannot {action}: S3 endpoint {endpoint} did not answer "
+                              f"(read timeout {t.read_s:g} s per try, at most {_tries(t.attempts)}; "
+                              f"{READ_TIMEOUT_VAR}, {RETRIES_VAR}): {exc}")
+        unreachable = (botocore.exceptions.EndpointConnectionError, ConnectionError)
+        if _caused_by(exc, *unreachable) or "connect" in str(exc).lower():
+            return StoreError(f"{where}: cannot {action}: S3 endpoint {endpoint} unreachable ({exc})")
         return StoreError(f"{where}: cannot {action}: {type(exc).__name__}: {exc}")
 
     def _check_bucket(self) -> None:
@@ -429,4 +556,4 @@ def open_s3(url: str, **options: Any) -> S3Store:
     return S3Store(url, **options)
 
 
-__all__ = ["S3Store", "is_conflict_in_flight", "is_precondition_failed", "open_s3"]
+__all__ = ["S3Store", "S3Timeouts", "is_conflict_in_flight", "is_precondition_failed", "open_s3"]

@@ -196,6 +196,54 @@ def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_e
         fleet.close()
 
 
+def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucket, monkeypatch, tmp_path: Path,
+                                                               reference_rows) -> None:
+    """SeaweedFS behind a proxy that accepts connections and then never answers: every process of the
+    job (controller and Gym servers) reaches it through the proxy, with short timeouts."""
+    from refgym.testing import new_fleet
+    from snapformat.store import s3
+    from snapformat.testing import s3servers
+    from snapformat.testing.stall_proxy import StallProxy
+
+    with StallProxy(seaweed.endpoint) as proxy:
+        env = {**seaweed.env_vars(), "AWS_ENDPOINT_URL": proxy.endpoint,
+               s3.CONNECT_TIMEOUT_VAR: "1", s3.READ_TIMEOUT_VAR: "2", s3.RETRIES_VAR: "1"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        url = f"s3://{new_bucket(seaweed)}/run"
+        direct = SnapshotStore(s3.S3Store(url, endpoint_url=seaweed.endpoint, key=s3servers.ACCESS_KEY,
+                                          secret=s3servers.SECRET_KEY))  # the store, not through the proxy
+        fleet = new_fleet(tmp_path / "fleet")  # fresh interpreters: they inherit the variables
+        try:
+            config = msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05, max_consecutive_failures=1000)
+            job = InRayJob(fleet, url, config=config, actor_options={"runtime_env": {"env_vars": env}})
+            assert job.setup() is None
+            first = job.call("save_now", True)
+            assert first.published, first.error
+            proxy.stall()  # before the run: its first save, 0.05 s in, meets the stalled store
+            running = job.ctl.run.remote(120)
+            failed = wait_until(lambda: [s for s in job.call("saves_since", 1) if not s.published],
+                                "a save on the stalled store to fail", 90)[0]
+            said = f"S3 endpoint {proxy.endpoint} did not answer (read timeout 2 s per try"
+            assert said in failed.error, failed.error
+            assert [c.sequence for c in direct.list()] == [first.sequence]  # nothing was published meanwhile
+            proxy.answer()
+            outcome = ray.get(running, timeout=180)
+            assert outcome.done  # Gym was resumed after each aborted save: every rollout finished
+            later = job.call("save_now", True)
+            assert later.published, later.error
+            assert later.sequence > first.sequence
+            published = {direct.open(c.sequence).manifest.gym_commit.checkpoint_id for c in direct.list()}
+            assert failed.checkpoint_id not in published
+            for p in job.gym.clients:
+                assert p.status()["phase"] == "idle"
+            check_store(direct)
+            check_finished(job, reference_rows)
+            job.kill()
+        finally:
+            fleet.close()
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 4 MiB tmpfs (we run as root in CI); unmounted afterwards whatever happens."""

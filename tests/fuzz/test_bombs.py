@@ -13,7 +13,12 @@ spare. Proves that:
   single-segment frame declaring 100 MiB would make zstd allocate a 100 MiB window);
 - a 32 KB zstd frame of RLE blocks that really decompresses to 1 GiB is cut off after
   ``content_size`` bytes when the manifest says less, and, when the manifest says 1 GiB, is refused
-  once one unterminated line passes 16 MiB, never buffered whole.
+  once one unterminated line passes 16 MiB, never buffered whole;
+- a real zstd frame compressed with a window past ``ZSTD_MAX_WINDOW`` (16 MiB, or zstd's default
+  limit of 128 MiB) is refused naming the file, its window and the limit, by ``records`` and
+  ``verify_snapshot``, as is a second frame with such a window after a sound first one (refused by
+  the decoder's own bound, before it allocates); frames at the limit, and the reference writer's
+  (whose window is within it), read back.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import zstandard
 
 from fuzz_property import address_space_limit
-from fuzz_seeds import entries_of_kind, file_key, golden_files, snapshot_with, with_bytes
+from fuzz_seeds import content_of, entries_of_kind, file_key, golden_files, snapshot_with, with_bytes
 from schemas.errors import CorruptSnapshotError
+from schemas.gym_records import SessionStateRecord
 from schemas.manifest import FileEntry
-from snapformat import LocalStore, verify_snapshot
+from snapformat import LocalStore, SnapshotStore, verify_snapshot
+from snapformat.jsonl import ZSTD_LEVEL, ZSTD_MAX_WINDOW, ZSTD_THRESHOLD
 from snapformat.reader import Snapshot
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,3 +161,71 @@ def test_zstd_bomb_of_one_endless_line_is_refused_at_the_line_limit() -> None:
     snap = snapshot_with(seq, with_bytes(entry, frame, compression="zstd", content_size=1 << 30), frame)
     with address_space_limit(CAP), pytest.raises(CorruptSnapshotError, match="line 1 is longer than 16777216 bytes"):
         snap.records(entry.path)
+
+
+def _windowed_frame(content: bytes, window_log: int) -> bytes:
+    """One real zstd frame over ``content``, streamed (no content size) with a window of 2^window_log."""
+    params = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, window_log=window_log)
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(compression_params=params).stream_writer(out, closefd=False) as w:
+        w.write(content)
+    frame = out.getvalue()
+    assert zstandard.get_frame_parameters(frame).window_size == 1 << window_log  # the header declares it
+    return frame
+
+
+def _session_snapshot(stored: bytes, content: bytes) -> tuple[Snapshot, FileEntry]:
+    seq, entry = _session_part()
+    listed = with_bytes(entry, stored, compression="zstd", content_size=len(content))
+    return snapshot_with(seq, listed, stored, keep=set()), listed
+
+
+def _window_refusal(window: int | None) -> str:
+    size = "more than" if window is None else f"{window:,} bytes, more than"
+    return f"its zstd frame needs a window of {size} the {ZSTD_MAX_WINDOW:,} bytes readers allow"
+
+
+@pytest.mark.parametrize("window_log", [24, 27])  # the first past the limit; zstd's default decoder limit
+def test_zstd_frame_with_a_window_past_the_limit_is_refused(window_log: int) -> None:
+    content = content_of(*_session_part())
+    snap, entry = _session_snapshot(_windowed_frame(content, window_log), content)
+    expected = f"{snap.where(entry)}: {_window_refusal(1 << window_log)}"
+    with address_space_limit(CAP), pytest.raises(CorruptSnapshotError) as err:
+        snap.records(entry.path)
+    assert str(err.value).startswith(expected), str(err.value)
+    problems = verify_snapshot(snap).problems
+    assert [p.file for p in problems] == [entry.path] and problems[0].message.startswith(expected)
+
+
+def test_a_later_zstd_frame_with_a_large_window_is_refused_by_the_decoder() -> None:
+    """Only the first frame's header is checked up front; the decoder's bound stops the next one
+    before it allocates its 128 MiB window (the cap is below that, and the message says why)."""
+    content = content_of(*_session_part())
+    cut = content.index(b"\n") + 1
+    stored = _windowed_frame(content[:cut], 21) + _windowed_frame(content[cut:], 27)
+    snap, entry = _session_snapshot(stored, content)
+    with address_space_limit(64 << 20), pytest.raises(CorruptSnapshotError) as err:
+        snap.records(entry.path)
+    assert str(err.value).startswith(f"{snap.where(entry)}: {_window_refusal(None)}"), str(err.value)
+
+
+def test_zstd_frames_within_the_window_limit_read(tmp_path: Path) -> None:
+    seq, golden = _session_part()
+    content = content_of(seq, golden)
+    expected = snapshot_with(seq, golden, golden_files()[file_key(seq, golden.path)], keep=set()).records(golden.path)
+    assert expected
+    for window_log in (10, 21, 23):  # 23: exactly ZSTD_MAX_WINDOW
+        snap, entry = _session_snapshot(_windowed_frame(content, window_log), content)
+        with address_space_limit(CAP):
+            assert snap.records(entry.path) == expected
+    # The reference writer's frames are within the limit: a part past the zstd threshold.
+    store = SnapshotStore(str(tmp_path / "store"))
+    draft = store.begin()
+    records = [SessionStateRecord(session_id=f"s{i}", resource="tools", state_revision=i, rollout_id=f"p{i}",
+                                  state={"pad": "x" * 200}) for i in range(ZSTD_THRESHOLD // 100)]
+    written = draft.part("gym/resource/tools").write_records("sessions", "session_state", records)
+    draft.publish()
+    assert written.compression == "zstd"
+    stored = (tmp_path / "store" / "snapshots" / draft.snapshot_id / written.path).read_bytes()
+    assert zstandard.get_frame_parameters(stored).window_size <= ZSTD_MAX_WINDOW
+    assert store.open(1).records(written.path) == records

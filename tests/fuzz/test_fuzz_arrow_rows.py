@@ -5,11 +5,14 @@ Seeds are the golden store's row files, and the same tables written with Arrow's
 compression (which readers must support, and where a buffer's declared length decides what Arrow
 allocates). An example either mutates a seed's bytes (edge integers favoured: lengths and offsets)
 or changes the table and writes it anew (a dropped, retyped, renamed or exotic extra column, a bad
-value or null, odd schema metadata, other batch sizes), and lists the file with a matching size,
-checksum and, mostly, matching batch and row counts. Proves, for every input: ``read_table``
-returns a table that passes Arrow's full validation or raises a ``SnapshotError`` subclass, never
-another exception, within the memory cap (a compressed buffer declaring more than its bytes can
-hold is refused before Arrow allocates); ``verify_snapshot`` reports instead of raising.
+value or null, nulls in a column the canonical schema declares not nullable, whether the file
+declares it nullable or not, odd schema metadata, other batch sizes), and lists the file with a
+matching size, checksum and, mostly, matching batch and row counts. Proves, for every input:
+``read_table`` returns a table that passes Arrow's full validation and holds no null in a
+not-nullable column, or raises a ``SnapshotError`` subclass, never another exception, within the
+memory cap (a compressed buffer declaring more than its bytes can hold is refused before Arrow
+allocates); ``verify_snapshot`` reports instead of raising. A file whose only change is nulls in a
+not-nullable column is always refused, by ``read_table`` and by ``verify_snapshot``, naming it.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from hypothesis import strategies as st
 from fuzz_mutations import EDGE_INTS, mutated_bytes
 from fuzz_property import FUZZ, TIMEOUT, address_space_limit, typed_or_result
 from fuzz_seeds import GOLDEN, entries_of_kind, file_key, golden_files, replace_file, snapshot_with, with_bytes
-from schemas.errors import SnapshotError
+from schemas.errors import InvalidRecordError, SnapshotError
 from schemas.manifest import FileEntry
+from schemas.rows import NON_NULLABLE
 from snapformat import LocalStore, verify_snapshot
 from snapformat.reader import Snapshot
 
@@ -93,8 +97,11 @@ def _changed_table(draw: st.DrawFn, kind: str) -> tuple[bytes, int, int]:
     table = draw(st.sampled_from(_tables(kind)))
     i = draw(st.integers(0, table.num_columns - 1))
     col, name = table.column(i).combine_chunks(), table.schema.field(i).name
-    op = draw(st.sampled_from(["drop", "retype", "value", "null", "rename", "extra", "metadata", "slice"]))
-    if op == "drop":
+    op = draw(st.sampled_from(["drop", "retype", "value", "null", "null_required", "rename", "extra", "metadata",
+                               "slice"]))
+    if op == "null_required" and table.num_rows:
+        table = draw(_nulled_required(kind, table))
+    elif op == "drop":
         table = table.remove_column(i)
     elif op == "retype":
         target = draw(st.sampled_from(_RETYPES))
@@ -126,6 +133,19 @@ def _changed_table(draw: st.DrawFn, kind: str) -> tuple[bytes, int, int]:
         table = table.slice(draw(st.integers(0, table.num_rows)), draw(st.integers(0, table.num_rows)))
     data, batches = _ipc(table, draw(st.sampled_from(CODECS)), draw(st.sampled_from([None, 1, 7, 1000])))
     return data, batches, table.num_rows
+
+
+@st.composite
+def _nulled_required(draw: st.DrawFn, kind: str, table: pa.Table) -> pa.Table:
+    """``table`` (not empty) with nulls at some rows of a column the canonical schema declares not
+    nullable; the file's field declared nullable or not (readers must not trust either)."""
+    name = draw(st.sampled_from([f.name for f in NON_NULLABLE[kind]]))
+    i = table.schema.get_field_index(name)
+    values = table.column(i).to_pylist()
+    for row in draw(st.sets(st.integers(0, len(values) - 1), min_size=1, max_size=3)):
+        values[row] = None
+    field = table.schema.field(i).with_nullable(draw(st.booleans()))
+    return table.set_column(i, field, pa.array(values, field.type))
 
 
 def _counts(data: bytes) -> tuple[int, int] | None:
@@ -160,6 +180,8 @@ def _read(snap: Snapshot, entry: FileEntry) -> None:
     table = typed_or_result(lambda: snap.read_table(entry.path))
     if isinstance(table, pa.Table):
         table.validate(full=True)  # a table handed out must be sound, not just returned
+        nulls = {f.name: table.column(f.name).null_count for f in NON_NULLABLE[entry.kind]}
+        assert not any(nulls.values()), f"read_table handed out nulls in not-nullable columns: {nulls}"
     report = typed_or_result(lambda: verify_snapshot(snap))
     assert not isinstance(report, SnapshotError), report
 
@@ -187,3 +209,21 @@ def test_row_part_memory_mapped(kind: str, local_golden: Path, data: st.DataObje
     replace_file(local_golden / file_key(seq, entry.path), content)
     snap = snapshot_with(seq, entry, content, store=LocalStore(local_golden), keep=_keep(kind))
     _read(snap, entry)
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS)
+@FUZZ
+@given(data=st.data())
+def test_nulls_in_a_not_nullable_column_are_refused(kind: str, data: st.DataObject) -> None:
+    seq, entry = data.draw(st.sampled_from(entries_of_kind(kind)))
+    table = data.draw(_nulled_required(kind, data.draw(st.sampled_from(_tables(kind)))))
+    content, batches = _ipc(table, data.draw(st.sampled_from(CODECS)), data.draw(st.sampled_from([None, 1, 7, 1000])))
+    listed = with_bytes(entry, content, batches=batches, records=table.num_rows)
+    snap = snapshot_with(seq, listed, content, keep=set())
+    refused = typed_or_result(lambda: snap.read_table(listed.path))
+    assert isinstance(refused, InvalidRecordError), refused
+    message = str(refused)
+    assert message.startswith(snap.where(listed)) and " is null (expected a " in message, message
+    assert any(f"column {f.name!r} is null" in message for f in NON_NULLABLE[kind]), message
+    problems = verify_snapshot(snap).problems
+    assert [p.file for p in problems] == [listed.path] and problems[0].message == message, problems

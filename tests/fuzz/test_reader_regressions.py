@@ -9,8 +9,9 @@ checks the typed error names the file, the field or line, and what was expected.
 - such a latest hint is ignored like any unreadable hint: ``latest()`` and ``begin()`` still work;
 - a row part whose ``snapformat.schema_version`` has 5000 digits is a ``VersionError``, not
   ``int()``'s ``ValueError``;
-- a token-capture batch with a null ``generation_token_ids`` list is reported by ``verify``, not a
-  ``TypeError`` from building the message;
+- a token-capture batch with a null ``generation_token_ids`` list is refused by ``validate_batch``
+  and ``read_table`` and reported by ``verify`` as a null in that column, not a ``TypeError`` from
+  building the message;
 - a row part whose string offsets point past their data, with a matching checksum, is refused by
   ``read_table`` instead of handing out a table that fails Arrow's full validation;
 - two row files of one kind whose extra column has two types make ``read_table`` raise
@@ -239,11 +240,14 @@ def test_null_generation_list_is_reported_not_a_type_error() -> None:
     values = table.column(i).to_pylist()
     values[0] = None
     table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
-    with pytest.raises(InvalidRecordError, match=r"row 0: generation_log_probs has \d+ values for null \(no list\)"):
+    null_column = r"row 0: column 'generation_token_ids' is null \(expected a list<item: int32> value"
+    with pytest.raises(InvalidRecordError, match=null_column):
         validate_batch("token_capture_rows", table.combine_chunks().to_batches()[0], "batch")
     snap, entry = _rows_snapshot("token_capture_rows", table)
+    with pytest.raises(InvalidRecordError, match=null_column):
+        snap.read_table(entry.path)
     problems = verify_snapshot(snap).problems
-    assert [p.file for p in problems] == [entry.path] and "null (no list)" in problems[0].message
+    assert [p.file for p in problems] == [entry.path] and re.search(null_column, problems[0].message)
 
 
 def test_string_offsets_past_their_data_are_refused_even_with_a_matching_checksum() -> None:
