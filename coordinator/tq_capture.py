@@ -76,6 +76,11 @@ class PartitionPlan:
     field_order: tuple[str, ...]  # the order fields first appeared in this partition's puts
 
 
+#: Consecutive small puts with the same fields are merged into one segment once they hold this many
+#: rows (each row copied once, at put time), so that a cut assembles a few large runs, not thousands.
+COALESCE_ROWS = 4096
+
+
 @dataclass
 class _Partition:
     segments: list[Segment] = field(default_factory=list)
@@ -83,14 +88,36 @@ class _Partition:
     index: dict[str, int] = field(default_factory=dict)  # key -> row id
     next_id: int = 0
     field_order: dict[str, None] = field(default_factory=dict)
+    tail: int = 0  # trailing small segments with the same fields as the last one
+    tail_rows: int = 0
 
     def add(self, seg: Segment) -> None:
         start = self.next_id
+        n = len(seg.keys)
+        small = n < COALESCE_ROWS
+        if small and self.tail and self.segments[-1].specs == seg.specs:
+            self.tail, self.tail_rows = self.tail + 1, self.tail_rows + n
+        else:
+            self.tail, self.tail_rows = (1, n) if small else (0, 0)
         self.segments.append(seg)
         self.starts.append(start)
-        self.index.update(zip(seg.keys, range(start, start + len(seg.keys))))
-        self.next_id += len(seg.keys)
+        self.index.update(zip(seg.keys, range(start, start + n)))
+        self.next_id += n
         self.field_order.update(dict.fromkeys(seg.specs))
+        if self.tail > 1 and self.tail_rows >= COALESCE_ROWS:
+            self._merge_tail()
+
+    def _merge_tail(self) -> None:
+        parts = self.segments[-self.tail:]
+        specs = parts[0].specs
+        merged = Segment(tuple(k for p in parts for k in p.keys), specs,
+                         {name: concat_fields([p.fields[name] for p in parts], spec) for name, spec in specs.items()},
+                         sum(p.nbytes for p in parts))
+        first = self.starts[-self.tail]
+        del self.segments[-self.tail:], self.starts[-self.tail:]
+        self.segments.append(merged)
+        self.starts.append(first)
+        self.tail, self.tail_rows = 0, 0
 
 
 def segment_bytes(fields: Mapping[str, FieldData]) -> int:
@@ -261,4 +288,4 @@ def assemble(plan: PartitionPlan, missed: PartitionRows | None = None,
     return PartitionRows(plan.partition_id, plan.keys, plan.tags, unified, groups)
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "PartitionPlan", "assemble", "RowCapture", "Run", "Segment", "segment_bytes"]
+__all__ = ["COALESCE_ROWS", "DEFAULT_MAX_BYTES", "PartitionPlan", "assemble", "RowCapture", "Run", "Segment", "segment_bytes"]

@@ -8,12 +8,14 @@ keys in order, some of them never captured) and checks every assembled row again
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.data_plane import FieldData, FieldSpec, PartitionRows, RowGroup, field_data, rows_of, Ragged
+from coordinator import tq_capture
 from coordinator.tq_capture import RowCapture, assemble
 
 FIELDS = ("ids", "score", "note")
@@ -58,8 +60,14 @@ def _rows(part: PartitionRows) -> dict[str, dict[str, Any]]:
 
 @settings(max_examples=60, deadline=None)
 @given(puts=st.lists(st.tuples(st.integers(1, 5), st.sets(st.sampled_from(FIELDS))), min_size=1, max_size=8),
-       removed=st.sets(st.integers(0, 39)), uncaptured=st.sets(st.integers(0, 39)), seed=st.integers(0, 2**16))
-def test_a_planned_cut_assembles_exactly_the_rows_listed(puts, removed, uncaptured, seed) -> None:
+       removed=st.sets(st.integers(0, 39)), uncaptured=st.sets(st.integers(0, 39)), seed=st.integers(0, 2**16),
+       coalesce=st.sampled_from([2, 3, 4096]))
+def test_a_planned_cut_assembles_exactly_the_rows_listed(puts, removed, uncaptured, seed, coalesce) -> None:
+    with mock.patch.object(tq_capture, "COALESCE_ROWS", coalesce):  # small: consecutive puts get merged
+        _check_planned_cut(puts, removed, uncaptured, seed)
+
+
+def _check_planned_cut(puts, removed, uncaptured, seed) -> None:
     rng = np.random.default_rng(seed)
     cap = RowCapture()
     model: dict[str, dict[str, Any]] = {}
@@ -118,6 +126,18 @@ def test_keys_gone_from_the_listing_are_forgotten_and_whole_segments_freed() -> 
     assert cap.nbytes == full - 8  # c's and z's segments freed; a+b's kept for b
     (again,) = cap.resolve({"p": {"a": {}}})  # a listed again (re-put by someone else): not ours any more
     assert list(again.misses) == [0]
+
+
+def test_consecutive_small_puts_with_the_same_fields_become_one_segment(monkeypatch) -> None:
+    monkeypatch.setattr(tq_capture, "COALESCE_ROWS", 4)
+    cap = RowCapture()
+    spec = FieldSpec("tensor", "int32", 0)
+    for i in range(5):
+        cap.add("p", [f"k{i}"], {"x": spec}, {"x": FieldData(np.array([i], np.int32))})
+    cap.add("p", ["other"], {"y": spec}, {"y": FieldData(np.array([9], np.int32))})  # other fields: not merged
+    (plan,) = cap.resolve({"p": {k: {} for k in ["k0", "k1", "k2", "k3", "k4", "other"]}})
+    assert [r.segment.keys for r in plan.runs] == [("k0", "k1", "k2", "k3"), ("k4",), ("other",)]
+    assert list(plan.runs[0].segment.fields["x"].values) == [0, 1, 2, 3]
 
 
 def test_the_bound_stops_keeping_puts_and_says_so(caplog) -> None:
