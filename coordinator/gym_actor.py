@@ -39,6 +39,10 @@ log = logging.getLogger("coordinator.gym")
 GRACE_S = 5.0  # on top of the time left before a deadline: the server's own answer may take a moment
 CALL_TIMEOUT_S = 30.0  # plain calls (rollouts, results, acknowledgements)
 MAX_PARALLEL_STARTS = 16
+KEEPALIVE_EXPIRY_S = 2.0  # below any server's keep-alive (uvicorn's default is 5 s)
+#: A request on a pooled connection that the server closed as it was sent fails like this; the
+#: request never reached a handler, or was idempotent, so the call is sent once more.
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 PREPARE_ORDER = ("model", "agent", "resource")
 COMMIT_ORDER = ("agent", "model", "resource")
 RESUME_ORDER = ("resource", "model", "agent")
@@ -80,7 +84,8 @@ class NemoGym:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=CALL_TIMEOUT_S, limits=httpx.Limits(max_connections=32))
+            self._http = httpx.AsyncClient(timeout=CALL_TIMEOUT_S, limits=httpx.Limits(
+                max_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S))
         return self._http
 
     async def close(self) -> None:
@@ -101,7 +106,8 @@ class NemoGym:
                 "fingerprint": topology_fingerprint([s.caps.contract() for s in self._servers])}
 
     async def _capabilities(self, url: str) -> Capabilities:
-        resp = await self._send("GET", url, f"{CONTROL_PREFIX}/capabilities", None, CALL_TIMEOUT_S, url)
+        resp = await self._send("GET", url, f"{CONTROL_PREFIX}/capabilities", None, CALL_TIMEOUT_S, url,
+                                idempotent=True)
         try:
             return msgspec.json.decode(resp.content, type=Capabilities)
         except msgspec.ValidationError as exc:
@@ -238,7 +244,8 @@ class NemoGym:
             s = self.agent_of(spec["rollout_id"])
             body = {k: spec[k] for k in ("rollout_id", "seed", "turns", "tools")}
             async with sem:
-                resp = await self._send("POST", s.url, "/rollouts", body, CALL_TIMEOUT_S, s.label, check=False)
+                resp = await self._send("POST", s.url, "/rollouts", body, CALL_TIMEOUT_S, s.label, check=False,
+                                        idempotent=True)  # a second start of the same rollout is a 409
             if resp.status_code in (202, 409):
                 out["accepted"].append(spec["rollout_id"])
             elif resp.status_code == 503:
@@ -252,7 +259,8 @@ class NemoGym:
 
     async def results(self) -> list[Any]:
         """Every finished (or failed) result the agents hold, not yet acknowledged."""
-        lists = await asyncio.gather(*(self._send("GET", s.url, "/results", None, CALL_TIMEOUT_S, s.label)
+        lists = await asyncio.gather(*(self._send("GET", s.url, "/results", None, CALL_TIMEOUT_S, s.label,
+                                                  idempotent=True)
                                        for s in self.agents))
         return [r for resp in lists for r in resp.json()]
 
@@ -306,14 +314,25 @@ class NemoGym:
                                 component=s.caps.component, name=s.caps.name)
 
     async def _send(self, method: str, url: str, path: str, body: Any, timeout: float, label: str, *,
-                    step: str = "", component: str = "", name: str = "", check: bool = True) -> httpx.Response:
+                    step: str = "", component: str = "", name: str = "", check: bool = True,
+                    idempotent: bool = False) -> httpx.Response:
+        """One call. ``idempotent`` calls are sent a second time if the connection drops under the
+        first (:data:`DROPPED`); control calls are not: a drop there fails the step."""
         what = f"{step or method + ' ' + path} of {label}"
         headers = {"content-type": "application/json"}
         if path.startswith(CONTROL_PREFIX):
             headers["authorization"] = f"Bearer {self._token}"
+        content = None if body is None else msgspec.json.encode(body)
         try:
-            resp = await self.http.request(method, f"{url}{path}", headers=headers, timeout=timeout,
-                                           content=None if body is None else msgspec.json.encode(body))
+            try:
+                resp = await self.http.request(method, f"{url}{path}", headers=headers, timeout=timeout,
+                                               content=content)
+            except DROPPED as exc:
+                if not idempotent:
+                    raise
+                log.info("%s: connection dropped (%s), sending it once more", what, type(exc).__name__)
+                resp = await self.http.request(method, f"{url}{path}", headers=headers, timeout=timeout,
+                                               content=content)
         except httpx.TimeoutException:
             raise GymCallError(f"{what}: no answer within {timeout:.1f}s (deadline passed)", component=component,
                                name=name, error="timeout") from None

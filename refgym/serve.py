@@ -17,6 +17,10 @@ import uvicorn
 from fastapi import FastAPI
 
 HOST = "127.0.0.1"
+#: How long an idle keep-alive connection stays open. Longer than any client's pool keeps one
+#: (httpx: 5 s): were both 5 s, a client could send on a connection the server, its loop busy with
+#: thousands of rollouts, is closing in the same moment, and see the request fail (ReadError).
+KEEP_ALIVE_S = 30
 
 
 def build_app(args: argparse.Namespace, token: str) -> FastAPI:
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     if args.port_file:
         write_port_file(args.port_file, port)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, lifespan="on")
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, lifespan="on",
+                            timeout_keep_alive=KEEP_ALIVE_S)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

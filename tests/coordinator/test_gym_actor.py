@@ -121,3 +121,52 @@ def test_rollouts_go_to_a_stable_agent(fleet) -> None:
             assert (await h.get(f"{extra.url}/healthz")).status_code == 200
 
     asyncio.run(scenario())
+
+
+class _DropsFirstRequests:
+    """A loopback HTTP server that closes the connection under the first ``drops`` requests (as a
+    server closing an idle keep-alive connection the moment a request arrives on it) and answers
+    202 after that."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops = drops
+        self.requests = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        self.requests += 1
+        if self.requests > self.drops:
+            writer.write(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+            await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_a_dropped_connection_is_retried_once_for_idempotent_calls_only(idempotent: bool) -> None:
+    async def scenario() -> None:
+        async with _DropsFirstRequests(drops=1) as url, _DropsFirstRequests(drops=2) as twice:
+            nemo = NemoGym([url], "t")  # no discovery: only _send is used
+            if idempotent:
+                resp = await nemo._send("POST", url, "/rollouts", {"a": 1}, 5.0, "agent a", idempotent=True)
+                assert resp.status_code == 202
+                with pytest.raises(GymCallError, match=r"POST /rollouts of agent b: unreachable"):
+                    await nemo._send("POST", twice, "/rollouts", {"a": 1}, 5.0, "agent b", idempotent=True)
+            else:
+                with pytest.raises(GymCallError, match=r"unreachable") as err:
+                    await nemo._send("POST", url, "/checkpoint/prepare", {"a": 1}, 5.0, "agent a")
+                assert err.value.error == "unreachable"
+        await nemo.close()
+
+    asyncio.run(scenario())
