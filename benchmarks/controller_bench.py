@@ -174,7 +174,8 @@ class Job:
 
         from refgym.testing import wait_until
 
-        wait_until(progress, f"every one of {n} rollouts to finish its first turn", WAIT_S, every=0.25)
+        # listing 10,000 rollouts takes the agent ~1 s: poll less often the more there are
+        wait_until(progress, f"every one of {n} rollouts to finish its first turn", WAIT_S, every=max(0.25, n / 2000))
         total = time.perf_counter() - t0
         if n >= 100:
             log(f"pause: N={n:,}: rollouts sent in {sent:.1f} s, all past their first turn after {total:.1f} s "

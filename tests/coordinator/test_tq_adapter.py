@@ -173,7 +173,9 @@ def test_torch_only_dtypes_and_dense_layout_round_trip(tq_plane: TQDataPlane, tm
     assert h.contents() == before
 
 
-def test_cut_refuses_rows_changing_underneath(tq_plane: TQDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cut_refuses_rows_changing_underneath(tq_runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    tq_plane = TQDataPlane(token_capture_partitions={TOKEN_PARTITION}, capture_max_bytes=0)  # values read from TQ
+    tq_plane.clear()
     h = TQHarness(tq_plane)
     h.put("train", ["a"], {"input_lengths": np.array([1], np.int32)}, training_tags(1))
     real = tq_adapter._TQ.list
@@ -188,6 +190,23 @@ def test_cut_refuses_rows_changing_underneath(tq_plane: TQDataPlane, monkeypatch
     monkeypatch.setattr(tq_adapter._TQ, "list", racing_list)
     with pytest.raises(DataPlaneChangedError):
         tq_plane.cut()
+    tq_plane.clear()
+
+
+def test_a_cut_of_kept_rows_lists_tq_once(tq_plane: TQDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every value kept by the adapter: one listing is the whole cut (no second one to compare)."""
+    tq_plane.put("train", ["a", "b"], {"input_lengths": np.array([1, 2], np.int32)}, training_tags(2))
+    real = tq_adapter._TQ.list
+    calls = {"n": 0}
+
+    def counted(self):
+        calls["n"] += 1
+        return real(self)
+
+    monkeypatch.setattr(tq_adapter._TQ, "list", counted)
+    cut = tq_plane.cut()
+    assert calls["n"] == 1
+    assert sum(t.num_rows for t in cut.tables.values()) == 2
 
 
 def test_chunked_get_and_put_give_the_same_rows(tq_runtime, tmp_path: Path) -> None:
