@@ -17,6 +17,7 @@ from schemas.errors import CorruptSnapshotError, InvalidRecordError
 from schemas.rows import ROW_SCHEMAS, check_no_nulls, check_schema, conform, validate_batch
 from snapformat.checksum import HashingWriter, check
 from snapformat.ipc_bounds import check_declared_sizes
+from snapformat.write_behind import WriteBehind
 
 IPC_COMPRESSIONS = ("none", "zstd", "lz4")
 
@@ -33,7 +34,8 @@ class RowsWriter:
         self.kind = kind
         self.where = where
         self._raw = raw
-        self._sink = HashingWriter(raw)
+        self._hashing = HashingWriter(raw)
+        self._sink = WriteBehind(self._hashing)  # hashed and written on a second thread, in order
         self._options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
         self._schema = schema
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
@@ -57,11 +59,17 @@ class RowsWriter:
             self.batches += 1
 
     def finish(self) -> tuple[int, str]:
-        """Write the footer; returns ``(size, checksum)``. The raw file is closed by the caller."""
+        """Write the footer and wait for every byte to reach the raw file; returns
+        ``(size, checksum)``. The raw file is closed (made durable) by the caller."""
         if self._writer is None:  # an empty part still has a schema
             self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), ROW_SCHEMAS[self.kind], options=self._options)
         self._writer.close()
-        return self._sink.size, self._sink.checksum
+        self._sink.finish()  # raises a write that failed on the thread, with its own type
+        return self._hashing.size, self._hashing.checksum
+
+    def abort(self) -> None:
+        """Stop writing (what is still queued is dropped); the caller then aborts the raw file."""
+        self._sink.abort()
 
 
 def write_rows(raw, kind: str, data: Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch,
@@ -69,9 +77,13 @@ def write_rows(raw, kind: str, data: Iterable[pa.RecordBatch | pa.Table] | pa.Ta
     writer = RowsWriter(raw, kind, where, compression)
     if isinstance(data, (pa.Table, pa.RecordBatch)):
         data = [data]
-    for item in data:
-        writer.write(item)
-    size, checksum = writer.finish()
+    try:
+        for item in data:
+            writer.write(item)
+        size, checksum = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
     return writer, size, checksum
 
 

@@ -174,12 +174,14 @@ class _RowsFile:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
+            self._w.abort()
             _abort(self._raw)
             return
         try:
             size, checksum = self._w.finish()
             self._raw.close()
         except BaseException:
+            self._w.abort()
             _abort(self._raw)
             raise
         self.entry = FileEntry(path=self._rel, kind=self._w.kind, size=size, checksum=checksum,
