@@ -1,6 +1,6 @@
 """``make bench``: run the benchmark sections and write their reports to ``benchmarks/results/``.
 
-    python -m benchmarks.run                      # every section, 1 GiB of rows, 3 repeats
+    python -m benchmarks.run                      # every section; format at 0.1, 1 and 4 GiB of rows
     python -m benchmarks.run --quick              # 128 MiB, 2 repeats -> results/<section>-quick.md
     python -m benchmarks.run --size-gib 4 --section format
     python -m benchmarks.run --quick --section pause --section restore
@@ -34,6 +34,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_SCRATCH = HERE / ".scratch"
 DEFAULT_RESULTS = HERE / "results"
 QUICK_SIZE_GIB = 0.125
+FORMAT_SIZES_GIB = (0.1, 1.0, 4.0)  # the format section's sizes when no --size-gib is given
+LARGE_GIB, LARGE_REPEATS = 4.0, 2  # from this size on, at most this many repeats (time)
 QUICK_REPEATS = 2
 
 
@@ -42,12 +44,19 @@ def log(msg: str) -> None:
 
 
 def _format_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    """One table per size: 0.1, 1 and 4 GiB unless ``--size-gib`` or ``--quick`` names one."""
     from benchmarks import format_bench
 
-    result = format_bench.run(size_gib=opts.size_gib, repeats=opts.repeats, scratch=opts.scratch,
-                              cold=opts.cold, batch_rows=opts.batch_rows, log=say)
+    sizes = (opts.size_gib,) if opts.size_given or opts.quick else FORMAT_SIZES_GIB
+    bodies, data = [], {}
+    for size in sizes:
+        repeats = min(opts.repeats, LARGE_REPEATS) if size >= LARGE_GIB else opts.repeats
+        result = format_bench.run(size_gib=size, repeats=repeats, scratch=opts.scratch,
+                                  cold=opts.cold, batch_rows=opts.batch_rows, log=say)
+        bodies.append(result.markdown() if len(sizes) == 1 else f"## {size:g} GiB of rows\n\n{result.markdown()}")
+        data[f"{size:g}"] = result.to_json()
     title = "# Format benchmark: snapformat vs raw file I/O vs pickle\n\n"
-    return title + result.markdown(), result.to_json()
+    return title + "\n\n".join(bodies), (data[f"{sizes[0]:g}"] if len(sizes) == 1 else {"by_size_gib": data})
 
 
 def _s3_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
@@ -197,7 +206,8 @@ def _machine_markdown(info: dict, command: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--size-gib", type=float, default=None,
-                   help=f"rows to build, GiB in memory (default 1; --quick: {QUICK_SIZE_GIB})")
+                   help=f"rows to build, GiB in memory (default 1; format: {', '.join(map(str, FORMAT_SIZES_GIB))}; "
+                        f"--quick: {QUICK_SIZE_GIB})")
     p.add_argument("--quick", action="store_true",
                    help=f"a fast run: {QUICK_SIZE_GIB} GiB, {QUICK_REPEATS} repeats, reports named <section>-quick")
     p.add_argument("--repeats", type=int, default=None,
@@ -208,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH, help="temporary folder (removed afterwards)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the reports go")
     opts = p.parse_args(argv)
+    opts.size_given = opts.size_gib is not None
     if opts.size_gib is None:
         opts.size_gib = QUICK_SIZE_GIB if opts.quick else 1.0
     if opts.repeats is None:

@@ -69,3 +69,17 @@ def test_quick_options_and_report_names() -> None:
     assert opts.size_gib == run.QUICK_SIZE_GIB and opts.repeats == run.QUICK_REPEATS
     opts = run.parse_args(["--size-gib", "2"])
     assert opts.size_gib == 2 and opts.repeats == 3 and opts.cold
+
+
+def test_format_section_runs_every_default_size(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(run, "FORMAT_SIZES_GIB", (0.002, 0.004))
+    monkeypatch.setattr(run, "LARGE_GIB", 0.004)
+    monkeypatch.setattr(run, "LARGE_REPEATS", 1)
+    opts = run.parse_args(["--repeats", "2", "--no-cold", "--scratch", str(tmp_path)])
+    body, data = run._format_section(opts, lambda _msg: None)
+    assert "## 0.002 GiB of rows" in body and "## 0.004 GiB of rows" in body
+    assert set(data["by_size_gib"]) == {"0.002", "0.004"}
+    assert data["by_size_gib"]["0.002"]["repeats"] == 2 and data["by_size_gib"]["0.004"]["repeats"] == 1
+    one, single = run._format_section(run.parse_args(["--size-gib", "0.002", "--repeats", "1", "--no-cold",
+                                                      "--scratch", str(tmp_path)]), lambda _msg: None)
+    assert "GiB of rows" not in one and single["repeats"] == 1
