@@ -40,8 +40,8 @@ GRACE_S = 5.0  # on top of the time left before a deadline: the server's own ans
 CALL_TIMEOUT_S = 30.0  # plain calls (rollouts, results, acknowledgements)
 MAX_PARALLEL_STARTS = 16
 KEEPALIVE_EXPIRY_S = 2.0  # below any server's keep-alive (uvicorn's default is 5 s)
-#: A request on a pooled connection that the server closed as it was sent fails like this; the
-#: request never reached a handler, or was idempotent, so the call is sent once more.
+#: A request on a pooled connection that the server closed as it was sent fails like this. Only
+#: idempotent calls are sent once more: for a control call the drop fails the step.
 DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 PREPARE_ORDER = ("model", "agent", "resource")
 COMMIT_ORDER = ("agent", "model", "resource")

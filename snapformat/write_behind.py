@@ -54,6 +54,8 @@ class WriteBehind(WriteStream):
     def write(self, data: Any) -> int:
         """Queue ``data``; raises the thread's error if an earlier write failed."""
         self._raise_failure()
+        if self.closed:
+            raise ValueError("write to a finished or aborted write-behind stream")
         n = _nbytes(data)
         if n < SMALL:
             self._chunk += data
@@ -97,8 +99,8 @@ class WriteBehind(WriteStream):
         with self._room:
             while self._pending and self._pending + n > self._max_pending and self._error is None:
                 self._room.wait()
+            self._raise_failure()  # nothing is counted or queued for a thread that has failed
             self._pending += n
-        self._raise_failure()
         self._queue.put((data, n))
 
     def _stop(self) -> None:

@@ -173,10 +173,8 @@ def test_torch_only_dtypes_and_dense_layout_round_trip(tq_plane: TQDataPlane, tm
     assert h.contents() == before
 
 
-def test_cut_refuses_rows_changing_underneath(tq_runtime, monkeypatch: pytest.MonkeyPatch) -> None:
-    tq_plane = TQDataPlane(token_capture_partitions={TOKEN_PARTITION}, capture_max_bytes=0)  # values read from TQ
-    tq_plane.clear()
-    h = TQHarness(tq_plane)
+def test_cut_refuses_rows_changing_underneath(tq_plane: TQDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    h = TQHarness(tq_plane)  # puts straight into TQ: the cut reads these values back, so it lists twice
     h.put("train", ["a"], {"input_lengths": np.array([1], np.int32)}, training_tags(1))
     real = tq_adapter._TQ.list
     calls = {"n": 0}
@@ -190,7 +188,6 @@ def test_cut_refuses_rows_changing_underneath(tq_runtime, monkeypatch: pytest.Mo
     monkeypatch.setattr(tq_adapter._TQ, "list", racing_list)
     with pytest.raises(DataPlaneChangedError):
         tq_plane.cut()
-    tq_plane.clear()
 
 
 def test_a_cut_of_kept_rows_lists_tq_once(tq_plane: TQDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,6 +95,18 @@ def test_a_failed_write_on_the_thread_is_raised_with_its_type() -> None:
         w.finish()
     with pytest.raises(StoreError):
         w.finish()
+    assert w._pending == 0  # nothing was counted, or left queued, for the failed thread
+
+
+@pytest.mark.parametrize("end", ["finish", "abort"])
+def test_a_write_after_the_end_is_refused(end: str) -> None:
+    sink = Sink()
+    w = WriteBehind(sink)
+    w.write(b"a" * SMALL)
+    getattr(w, end)()
+    with pytest.raises(ValueError, match="finished or aborted"):
+        w.write(b"b")
+    assert bytes(sink.data) in (b"", b"a" * SMALL)
 
 
 def test_abort_drops_what_is_queued() -> None:
