@@ -59,7 +59,7 @@ ROW_TOKENS = 4096  # ragged rows of ~32 KiB of values
 PUT_BATCH = 64
 PARTITION = "bench"
 MODES = ("background", "in_pause")
-STEPS = ("flush_acks", "prepare", "gym_commit", "cut", "resume", "write", "publish")
+STEPS = ("flush_acks", "prepare", "gym_commit", "cut", "cut_wait", "resume", "write", "publish")
 RESTORE_STEPS = ("load_data_plane", "gym_restore", "discard", "resume")
 TIMEOUT_S = 900.0
 WAIT_S = 600.0
@@ -252,7 +252,7 @@ def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], f
             st = report.steps_s
             log(f"pause: N={n:,}, TQ {common.size_label(target)}, {mode}: pause {common.ms(report.pause_s)} ms "
                 f"(prepare {common.ms(st.get('prepare'))}, commit {common.ms(st.get('gym_commit'))}, cut "
-                f"{common.ms(st.get('cut'))}, write {common.ms(st.get('write'))}, publish "
+                f"{common.ms(st.get('cut'))} (wait {common.ms(st.get('cut_wait'))}), write {common.ms(st.get('write'))}, publish "
                 f"{common.ms(st.get('publish'))}); parked {parked}; snapshot {snap.get('bytes', 0) / MIB:,.1f} MiB")
     finally:
         probe.close()
@@ -485,10 +485,10 @@ def _step(s: dict[str, Any], name: str) -> str:
 
 
 def _pause_table(points: list[dict[str, Any]], first_col: str) -> list[str]:
-    lines = [f"| {first_col} | mode | **pause** | flush ACKs | prepare | Gym commit | cut | write | "
+    lines = [f"| {first_col} | mode | **pause** | flush ACKs | prepare | Gym commit | cut | cut wait | write | "
              "of which TQ reads (`kv_batch_get`) | publish | resume | parked | TQ rows in the cut | snapshot | "
              "rows the adapter keeps | peak memory above the save's start |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         key = f"{p['n']:,}" if first_col == "rollouts" else common.size_label(p["bytes_target"])
         for mode in MODES:
@@ -500,7 +500,7 @@ def _pause_table(points: list[dict[str, Any]], first_col: str) -> list[str]:
             if s["mode"] == "background" and not s["report_mode"].startswith("in_pause"):
                 reads = f"({reads})"
             lines.append(f"| {key} | {s['report_mode']} | **{common.ms(s['pause_s'])}** | "
-                         + " | ".join(_step(s, k) for k in ("flush_acks", "prepare", "gym_commit", "cut", "write"))
+                         + " | ".join(_step(s, k) for k in ("flush_acks", "prepare", "gym_commit", "cut", "cut_wait", "write"))
                          + f" | {reads} | "
                          + " | ".join(_step(s, k) for k in ("publish", "resume"))
                          + f" | {s['parked']} | {rows:,} | {s['snapshot']['bytes'] / MIB:,.1f} MiB | "
@@ -614,7 +614,9 @@ def pause_markdown(result: dict[str, Any], results: Path | None) -> str:
         "the end of Gym's resume. Columns are `steps_s`: **flush ACKs** (`collect`: finished results stored, "
         "acknowledgements sent), **prepare** (NemoGym: model admission paused, agents park every rollout at a turn "
         "end, resources freeze), **Gym commit** (each server writes its part into the draft), **cut** (TQ's listing "
-        "of keys and tags, the plan of which kept rows the cut takes, and the controller's records, in memory), "
+        "of keys and tags, the plan of which kept rows the cut takes, and the controller's records, in memory; taken "
+        "on a thread from the end of the flush, while Gym prepares and commits), **cut wait** (what the cut adds to "
+        "the pause: the wait for it after Gym's commit), "
         "**write** (the rows the controller's adapter kept as it put them, built into Arrow, written with checks, "
         "xxh3-128 and fsync; **of which TQ reads**: the adapter's `_read_partition` calls for keys it did not put, "
         "with `kv_batch_get`, timed by wrapping them on the controller's adapter instance), **publish** (manifest, "

@@ -6,10 +6,17 @@ controller's records and the data plane's :class:`~coordinator.data_plane.Deferr
 TransferQueue, whose rows are write-once, only the listing of keys and tags; for others, a copy of
 the rows as Arrow tables). :func:`write_cut_parts` materializes and writes it into a draft
 (``tq/`` and ``controller/``) at any later time, from any thread; nothing it reads can change under it.
+
+:class:`CutInBackground` takes it on a thread of its own, so that a save can take it while Gym
+prepares and commits: from the flush of acknowledgements to the resume, the controller's loop is held
+and nothing reaches the data plane or its records, so the cut is the same whenever it is taken in
+that time. Its cost grows with TQ's key count, Gym's with the rollouts; run together, the pause
+holds the larger of the two instead of their sum.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -42,6 +49,35 @@ def take_cut(plane: DataPlane, books: Bookkeeping) -> Cut:
     rows = plane.deferred_cut()
     records = books.records()
     return Cut(rows, records, time.perf_counter() - t0)
+
+
+class CutInBackground:
+    """:func:`take_cut` on its own thread, started at construction; :meth:`result` waits for it."""
+
+    def __init__(self, plane: DataPlane, books: Bookkeeping) -> None:
+        self._cut: Cut | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(plane, books), name="rl-cut", daemon=True)
+        self._thread.start()
+
+    def _run(self, plane: DataPlane, books: Bookkeeping) -> None:
+        try:
+            self._cut = take_cut(plane, books)
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), in the save's own thread
+            self._error = exc
+
+    def result(self) -> Cut:
+        """The cut, once taken; its error, with its type, if taking it failed."""
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._cut is not None
+        return self._cut
+
+    def wait(self) -> None:
+        """Wait until the cut is taken or has failed (a failed save calls this before it returns, so
+        no listing of the data plane outlives it). The data plane's own call timeouts bound it."""
+        self._thread.join()
 
 
 def write_cut_parts(draft: SnapshotDraft, cut: Cut, compression: str = "none") -> tuple[DataPlaneCut, list[FileEntry]]:

@@ -3,7 +3,9 @@
 1. Stop sending rollouts (the controller's loop is here, so nothing is sent) and flush the
    acknowledgements of stored results; prepare Gym within ``prepare_timeout_s``.
 2. Gym commits its state into the unpublished draft.
-3. RL's cut, in memory, with the loop held (:mod:`coordinator.cut`).
+3. RL's cut, in memory, with the loop held (:mod:`coordinator.cut`). It is taken on a thread from
+   the end of step 1, while Gym prepares and commits (nothing reaches the data plane or the
+   controller's records in that time, so it is the same cut); the save waits for it after step 2.
 4. Publish once every part is durable (one commit point: SPEC §15.5).
 5. Resume Gym (resources, models, agents); the loop sends rollouts again only after that.
 
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from coordinator.cut import Cut, take_cut, write_cut_parts
+from coordinator.cut import Cut, CutInBackground, write_cut_parts
 from coordinator.errors import GymCallError, SaveAbortedError
 from coordinator.gym_actor import CommitResult
 from snapformat import Published
@@ -83,6 +85,7 @@ def save(ctl: SingleController) -> SaveReport:
     t_pause = time.perf_counter()
     prepared = False
     draft: SnapshotDraft | None = None
+    cutting: CutInBackground | None = None
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
@@ -94,6 +97,7 @@ def save(ctl: SingleController) -> SaveReport:
         ctl.steps.reached("save.begin")
         timed("flush_acks", ctl.collect)
         ctl.steps.reached("save.acks_flushed")
+        cutting = CutInBackground(ctl.plane, ctl.books)
         prepared = True
         timed("prepare", lambda: ctl.gym.prepare_checkpoint(cid, time.time() + cfg.prepare_timeout_s))
         ctl.steps.reached("save.prepared")
@@ -101,7 +105,8 @@ def save(ctl: SingleController) -> SaveReport:
         commit: CommitResult = timed("gym_commit", lambda: ctl.gym.commit_checkpoint(
             cid, time.time() + cfg.commit_timeout_s, draft.url))
         ctl.steps.reached("save.gym_committed")
-        cut: Cut = timed("cut", lambda: take_cut(ctl.plane, ctl.books))
+        cut: Cut = timed("cut_wait", cutting.result)  # what the cut adds to the pause past Gym's commit
+        steps["cut"] = round(cut.seconds, 6)  # the cut's own time, from the flush of ACKs on
         ctl.steps.reached("save.cut")
         pending = PendingWrite(draft, cut, commit, report, ctl.fingerprint)
         in_pause = cfg.write_mode == "in_pause" or cut.held_bytes > cfg.max_cut_bytes
@@ -116,6 +121,8 @@ def save(ctl: SingleController) -> SaveReport:
             failures = ctl.gym.abort_checkpoint(cid)
             if failures:
                 log.warning("abort of %s: %s", cid, "; ".join(failures))
+        if cutting is not None:  # Gym is resumed first; no listing of the data plane outlives the save
+            cutting.wait()
         if draft is not None:
             try:
                 draft.abandon()

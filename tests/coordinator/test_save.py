@@ -1,0 +1,116 @@
+"""The save's steps against a scripted Gym: RL's cut is taken while Gym prepares and commits (not
+after), its errors abort the save with their type, and no cut outlives a failed save."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from coordinator.bookkeeping import Bookkeeping
+from coordinator.config import ControllerConfig
+from coordinator.data_plane import InMemoryDataPlane
+from coordinator.errors import GymCallError, SaveAbortedError
+from coordinator.faults import Steps
+from coordinator.save import save
+from coordinator.workload import Workload
+from snapformat import SnapshotStore
+
+WAIT_S = 10.0
+
+
+class CutGate(InMemoryDataPlane):
+    """An in-memory data plane whose cut says when it has begun, and may be held or fail."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.begun = threading.Event()
+        self.release = threading.Event()
+        self.fail = fail
+        self.thread: threading.Thread | None = None
+
+    def deferred_cut(self):
+        self.thread = threading.current_thread()
+        self.begun.set()
+        if not self.release.wait(WAIT_S):
+            raise AssertionError("the cut was never released")
+        if self.fail:
+            raise GymCallError("data plane: listing failed")  # any typed error
+        return super().deferred_cut()
+
+
+class ScriptedGym:
+    """Gym's four save calls; prepare waits for the cut to have begun, commit releases it."""
+
+    def __init__(self, plane: CutGate, prepare_error: bool = False) -> None:
+        self.plane = plane
+        self.prepare_error = prepare_error
+        self.calls: list[str] = []
+        self.cut_begun_in_prepare = False
+
+    def prepare_checkpoint(self, cid: str, deadline: float) -> None:
+        self.calls.append("prepare")
+        self.cut_begun_in_prepare = self.plane.begun.wait(WAIT_S)
+        if self.prepare_error:
+            raise GymCallError("prepare of agent: 500")
+
+    def commit_checkpoint(self, cid: str, deadline: float, url: str):
+        self.calls.append("commit")
+        self.plane.release.set()
+        return SimpleNamespace(receipts=[], gym_commit=None)
+
+    def resume_checkpoint(self, cid: str) -> None:
+        self.calls.append("resume")
+
+    def abort_checkpoint(self, cid: str) -> list[str]:
+        self.calls.append("abort")
+        self.plane.release.set()
+        return []
+
+
+def controller(tmp_path: Path, plane: CutGate, gym: ScriptedGym) -> SimpleNamespace:
+    submitted: list = []
+    return SimpleNamespace(
+        config=ControllerConfig(), steps=Steps(), collect=lambda: None, gym=gym, plane=plane,
+        books=Bookkeeping.fresh(Workload(prompts=1, group_size=1)), store=SnapshotStore(str(tmp_path / "store")),
+        fingerprint="f", pending_resume=None, writer=SimpleNamespace(submit=submitted.append), submitted=submitted)
+
+
+def test_the_cut_is_taken_while_gym_prepares_and_commits(tmp_path: Path) -> None:
+    plane = CutGate()
+    plane.put("train", ["a", "b"], {"input_lengths": np.array([1, 2], np.int32)}, [{"g": 0}, {"g": 1}])
+    gym = ScriptedGym(plane)
+    ctl = controller(tmp_path, plane, gym)
+    report = save(ctl)
+    assert gym.cut_begun_in_prepare  # sequential, the cut would begin only after the commit
+    assert plane.thread is not threading.current_thread()
+    assert gym.calls == ["prepare", "commit", "resume"]
+    assert {"cut", "cut_wait"} <= set(report.steps_s) and report.steps_s["cut"] > 0
+    (pending,) = ctl.submitted  # the background write gets the cut: both rows, as they were
+    assert sum(t.num_rows for t in pending.cut.rows.materialize().tables.values()) == 2
+    assert ctl.steps.counts["save.cut"] == 1
+
+
+def test_a_failed_cut_aborts_the_save_with_its_error(tmp_path: Path) -> None:
+    plane = CutGate(fail=True)
+    gym = ScriptedGym(plane)
+    ctl = controller(tmp_path, plane, gym)
+    with pytest.raises(SaveAbortedError, match="listing failed") as info:
+        save(ctl)
+    assert isinstance(info.value.__cause__, GymCallError)
+    assert gym.calls == ["prepare", "commit", "abort"] and not ctl.submitted
+    assert ctl.store.latest() is None and "save.cut" not in ctl.steps.counts
+
+
+def test_no_cut_outlives_a_failed_prepare(tmp_path: Path) -> None:
+    plane = CutGate()
+    gym = ScriptedGym(plane, prepare_error=True)
+    ctl = controller(tmp_path, plane, gym)
+    with pytest.raises(SaveAbortedError, match="prepare of agent"):
+        save(ctl)
+    assert gym.calls == ["prepare", "abort"]
+    assert plane.thread is not None and not plane.thread.is_alive()  # waited for before the save returned
+    assert ctl.store.latest() is None
