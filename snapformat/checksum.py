@@ -8,6 +8,7 @@ Security section says so). ``sha256:`` is accepted too, reserved for content-add
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -48,6 +49,51 @@ def checksum_stream(fh: BinaryIO, expected: str, progress: Callable[[int], None]
 def check(where: str, actual: str, expected: str) -> None:
     if actual != expected:
         raise CorruptSnapshotError(f"{where}: checksum mismatch (manifest says {expected}, file has {actual})")
+
+
+class BackgroundHash:
+    """The checksum of ``view`` computed on a thread of its own, front to back, in steps of 8 MiB.
+
+    While it runs, :meth:`wait_until` lets the caller work on the bytes already hashed: over a
+    memory-mapped file those are in the page cache, so checking a row file's batches behind the hash
+    reads no byte from disk a second time and costs no disk time of its own (xxh3 releases the GIL).
+    """
+
+    def __init__(self, view: memoryview, algorithm: str = ALGORITHM) -> None:
+        self._view = view
+        self._algorithm = algorithm
+        self._hasher = new_hasher(algorithm)
+        self._done = 0
+        self._error: BaseException | None = None
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="snapformat-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        total = len(self._view)
+        try:
+            for start in range(0, total, _CHUNK):
+                self._hasher.update(self._view[start:start + _CHUNK])
+                with self._ready:
+                    self._done = min(start + _CHUNK, total)
+                    self._ready.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - raised by result() in the caller's thread
+            with self._ready:
+                self._error = exc
+                self._ready.notify_all()
+
+    def wait_until(self, position: int) -> None:
+        """Return once the first ``position`` bytes are hashed (or hashing failed)."""
+        with self._ready:
+            while self._done < min(position, len(self._view)) and self._error is None:
+                self._ready.wait()
+
+    def result(self) -> str:
+        """``<algorithm>:<hex>`` of the whole view, once hashed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return f"{self._algorithm}:{self._hasher.hexdigest()}"
 
 
 class HashingWriter(WriteStream):

@@ -14,6 +14,7 @@ compressed bytes, naming the batch and the buffer.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 from schemas.errors import CorruptSnapshotError
 from snapformat.jsonl import ZSTD_MAX_EXPANSION
@@ -66,27 +67,47 @@ class _Flatbuffer:
         return pos + 4, count
 
 
-def check_declared_sizes(view: memoryview, where: str) -> None:
-    """Refuse an IPC file one of whose compressed buffers declares an impossible length.
+class Block(NamedTuple):
+    """One block of an IPC file's footer: a message and its body (``offset`` from the file's start)."""
 
-    Files Arrow itself would refuse (bad magic, a block outside the file) are left to Arrow's own
-    error unless reading them here would mean trusting the bad value.
-    """
+    label: str  # "dictionary batch" or "record batch"
+    index: int
+    offset: int
+    meta_len: int
+    body_len: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.meta_len + self.body_len
+
+
+def footer_blocks(view: memoryview, where: str) -> list[Block] | None:
+    """Every block the footer lists (dictionary batches first, then record batches, each in footer
+    order), read with a bounds check on every read; None when ``view`` is not an IPC file at all or
+    its footer length is impossible (Arrow itself then refuses it)."""
     size = len(view)
     if size < 2 * len(_MAGIC) + 6 or bytes(view[:6]) != _MAGIC or bytes(view[-6:]) != _MAGIC:
-        return  # not an IPC file at all: Arrow says so
+        return None
     footer_len = struct.unpack_from("<i", view, size - 10)[0]
     footer_start = size - 10 - footer_len
     if footer_len <= 0 or footer_start < 8:
-        return
+        return None
     footer = _Flatbuffer(view, footer_start, size - 10, f"{where}: footer")
     root = footer.root()
+    blocks = []
     for field, label in ((2, "dictionary batch"), (3, "record batch")):
         first, count = footer.vector(root, field, _BLOCK_SIZE)
         for i in range(count):
             block = first + i * _BLOCK_SIZE
-            _check_block(view, footer.read("<q", block), footer.read("<i", block + 8),
-                         footer.read("<q", block + 16), f"{where}: {label} {i}")
+            blocks.append(Block(label, i, footer.read("<q", block), footer.read("<i", block + 8),
+                                footer.read("<q", block + 16)))
+    return blocks
+
+
+def check_block(view: memoryview, block: Block, where: str) -> None:
+    """Refuse ``block`` if it lies outside the file or one of its compressed buffers declares an
+    impossible length (reads only the block's own metadata)."""
+    _check_block(view, block.offset, block.meta_len, block.body_len, f"{where}: {block.label} {block.index}")
 
 
 def _check_block(view: memoryview, offset: int, meta_len: int, body_len: int, where: str) -> None:

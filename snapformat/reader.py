@@ -1,7 +1,8 @@
 """Reading a published snapshot: the manifest checked against its commit, then any part.
 
 Every read checks the file's size; reads check the checksum too unless ``verify=False``
-(memory-mapped row parts are hashed in place, ~9 GB/s). Errors are typed and name the file.
+(memory-mapped row parts are hashed in place on a second thread while their batches are checked
+behind it: :func:`snapformat.arrow_parts.open_buffer`). Errors are typed and name the file.
 """
 
 from __future__ import annotations
