@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -197,14 +198,14 @@ class RowCapture:
 
     def _resolve_one(self, pid: str, key_tags: Mapping[str, Any]) -> PartitionPlan:
         keys = list(key_tags)
-        tags = [dict(key_tags[k]) for k in keys]
+        tags = list(key_tags.values())  # the listing's own tags: the cut owns that listing, nothing changes them
         p = self._parts.get(pid)
         if p is None or not keys:
             if p is not None:
                 self._drop(pid, p.segments)
                 del self._parts[pid]
             return PartitionPlan(pid, keys, tags, (), np.arange(len(keys), dtype=np.int64), ())
-        ids = np.fromiter((p.index.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        ids = np.fromiter(map(p.index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
         hit = ids >= 0
         starts = np.asarray(p.starts, dtype=np.int64)
         seg_of = np.searchsorted(starts, ids, side="right") - 1
