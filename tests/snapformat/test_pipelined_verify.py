@@ -18,16 +18,17 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_null_columns import NULL_ROWS, _published_table, plant, with_nulls
 
 from schemas.errors import CorruptSnapshotError, InvalidRecordError
 from snapformat import SnapshotStore, arrow_parts, checksum
 from snapformat.checksum import BackgroundHash, checksum_bytes
-from test_null_columns import NULL_ROWS, _published_table, plant, with_nulls
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +51,7 @@ def test_the_background_hash_is_the_hash_of_the_bytes(data: bytes, chunk: int) -
 class Recorded(BackgroundHash):
     """A background hash that remembers, for each block checked while it exists, how far it had got."""
 
-    made: list[Recorded] = []
+    made: ClassVar[list[Recorded]] = []
 
     def __init__(self, view: memoryview, algorithm: str = "xxh128") -> None:
         super().__init__(view, algorithm)
