@@ -116,21 +116,22 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
         else:
             check(where, checksum_bytes(view, algo), checksum)
     try:
-        reader = _open_checked(buf, view, kind, where, batches, records, hashing, checksum)
+        reader = _open_checked(buf, view, kind, where, batches, records, hashing)
     except SnapshotError:
         if hashing is not None:
-            check(where, hashing.result(), checksum or "")  # corrupt bytes: the mismatch is the cause
+            check(where, hashing.result(), checksum)  # corrupt bytes: the mismatch is the cause
         raise
+    if hashing is not None:
+        check(where, hashing.result(), checksum)
     return reader
 
 
 def _open_checked(buf: pa.Buffer, view: memoryview, kind: str, where: str, batches: int | None,
-                  records: int | None, hashing: BackgroundHash | None,
-                  checksum: str | None) -> pa.ipc.RecordBatchFileReader:
-    """:func:`open_buffer`'s checks; with ``hashing``, each batch's behind the hash, then the checksum."""
+                  records: int | None, hashing: BackgroundHash | None) -> pa.ipc.RecordBatchFileReader:
+    """:func:`open_buffer`'s checks; with ``hashing``, each batch's once the hash has passed it."""
     blocks = footer_blocks(view, where) or []
     if hashing is not None and any(b.label != "record batch" for b in blocks):
-        check(where, hashing.result(), checksum or "")  # Arrow reads dictionaries as it opens the file
+        hashing.wait_until(len(view))  # Arrow reads dictionaries as it opens the file: all bytes hashed first
         hashing = None
     if hashing is None:
         for block in blocks:
@@ -161,6 +162,4 @@ def _open_checked(buf: pa.Buffer, view: memoryview, kind: str, where: str, batch
             n += batch.num_rows
         if n != records:
             raise CorruptSnapshotError(f"{where}: has {n} rows, the manifest says {records}")
-    if hashing is not None:
-        check(where, hashing.result(), checksum or "")
     return reader

@@ -107,11 +107,9 @@ def footer_blocks(view: memoryview, where: str) -> list[Block] | None:
 def check_block(view: memoryview, block: Block, where: str) -> None:
     """Refuse ``block`` if it lies outside the file or one of its compressed buffers declares an
     impossible length (reads only the block's own metadata)."""
-    _check_block(view, block.offset, block.meta_len, block.body_len, f"{where}: {block.label} {block.index}")
-
-
-def _check_block(view: memoryview, offset: int, meta_len: int, body_len: int, where: str) -> None:
-    if offset < 0 or meta_len < 8 or body_len < 0 or offset + meta_len + body_len > len(view):
+    offset, meta_len, body_len = block.offset, block.meta_len, block.body_len
+    where = f"{where}: {block.label} {block.index}"
+    if offset < 0 or meta_len < 8 or body_len < 0 or block.end > len(view):
         raise CorruptSnapshotError(
             f"{where}: lies outside the file (offset {offset}, metadata {meta_len} and body {body_len} bytes, "
             f"file {len(view)} bytes)")

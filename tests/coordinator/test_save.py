@@ -4,6 +4,7 @@ after), its errors abort the save with their type, and no cut outlives a failed 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,21 +26,25 @@ WAIT_S = 10.0
 class CutGate(InMemoryDataPlane):
     """An in-memory data plane whose cut says when it has begun, and may be held or fail."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, linger_s: float = 0.0) -> None:
         super().__init__()
         self.begun = threading.Event()
         self.release = threading.Event()
+        self.ended = threading.Event()
         self.fail = fail
-        self.thread: threading.Thread | None = None
+        self.linger_s = linger_s  # time the cut still takes once released
 
     def deferred_cut(self):
-        self.thread = threading.current_thread()
         self.begun.set()
-        if not self.release.wait(WAIT_S):
-            raise AssertionError("the cut was never released")
-        if self.fail:
-            raise GymCallError("data plane: listing failed")  # any typed error
-        return super().deferred_cut()
+        try:
+            if not self.release.wait(WAIT_S):
+                raise AssertionError("the cut was never released")
+            time.sleep(self.linger_s)
+            if self.fail:
+                raise GymCallError("data plane: listing failed")  # any typed error
+            return super().deferred_cut()
+        finally:
+            self.ended.set()
 
 
 class ScriptedGym:
@@ -86,7 +91,6 @@ def test_the_cut_is_taken_while_gym_prepares_and_commits(tmp_path: Path) -> None
     ctl = controller(tmp_path, plane, gym)
     report = save(ctl)
     assert gym.cut_begun_in_prepare  # sequential, the cut would begin only after the commit
-    assert plane.thread is not threading.current_thread()
     assert gym.calls == ["prepare", "commit", "resume"]
     assert {"cut", "cut_wait"} <= set(report.steps_s) and report.steps_s["cut"] > 0
     (pending,) = ctl.submitted  # the background write gets the cut: both rows, as they were
@@ -106,11 +110,11 @@ def test_a_failed_cut_aborts_the_save_with_its_error(tmp_path: Path) -> None:
 
 
 def test_no_cut_outlives_a_failed_prepare(tmp_path: Path) -> None:
-    plane = CutGate()
+    plane = CutGate(linger_s=0.5)  # released by the abort, it still runs a while
     gym = ScriptedGym(plane, prepare_error=True)
     ctl = controller(tmp_path, plane, gym)
     with pytest.raises(SaveAbortedError, match="prepare of agent"):
         save(ctl)
     assert gym.calls == ["prepare", "abort"]
-    assert plane.thread is not None and not plane.thread.is_alive()  # waited for before the save returned
+    assert plane.ended.is_set()  # the save waited for it before it returned
     assert ctl.store.latest() is None
