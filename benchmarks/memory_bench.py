@@ -15,6 +15,13 @@ mapped files, which belong to the page cache) and also reports ``getrusage`` ``r
   ``publish()``; the rows are never all in memory, so the peak is the library's own.
 * **save, rows held**: the same size of distinct rows built in memory first (as a cut holds them),
   then written and published; reported as the peak above the memory held before the save began.
+* **TQ rows, cut whole** and **TQ rows, window by window**: training rows held as the TQ adapter keeps
+  what it puts (:class:`coordinator.tq_capture.RowCapture`, segments of :data:`CUT_SEGMENT_ROWS` rows:
+  ragged ``input_ids`` and ``generation_logprobs``, ``input_lengths``) and a cut's plan of them (the
+  listing: keys and tags), then written into a draft and published: *whole* materializes the cut
+  (every row assembled, one Arrow table) and writes it, as a coordinator save did before; *window by
+  window* is what a save does now (``plan_source`` + ``write_sources``: one window of rows built,
+  written, dropped). Both report the peak above the capture and the listing, held before.
 * **load, read_table**: ``SnapshotStore(path).latest().read_table("tokens", verify=True)`` (memory
   mapped), then every buffer hashed (xxh3-64) so every page is really read.
 * **load, batch by batch**: ``snap.open_rows(entry, verify=True)``, then each record batch read,
@@ -44,14 +51,17 @@ SAMPLE_S = 0.005
 BASE_BYTES = 32 * MIB
 PART = "gym/model/policy0"
 NAME = "tokens.arrow"
-OPS = ("save_stream", "save_held", "load_mmap", "load_stream")
+OPS = ("save_stream", "save_held", "cut_whole", "cut_stream", "load_mmap", "load_stream")
 LABELS = {"save_stream": "save, streamed (write_rows from a generator + publish)",
           "save_held": "save, rows held in memory first (peak above them)",
+          "cut_whole": "TQ rows kept by the adapter: cut materialized whole, then written",
+          "cut_stream": "TQ rows kept by the adapter: written window by window (a save now)",
           "load_mmap": "load, read_table(verify=True) + every buffer read",
           "load_stream": "load, batch by batch (open_rows + each batch read, dropped)"}
 FULL = {"sizes": (100 * MIB, 500 * MIB, GIB)}
 QUICK = {"sizes": (32 * MIB, 128 * MIB)}
 SMALLEST = {"sizes": (4 * MIB, 16 * MIB)}
+CUT_SEGMENT_ROWS = 4096  # the capture merges small puts into segments of this many rows
 BOUNDED_SLOPE = 0.05  # at most this many bytes of memory per byte saved counts as bounded
 
 
@@ -112,6 +122,47 @@ def _repeat(batches: list, target: int) -> Iterator:
                 return
 
 
+def _captured(size: int) -> tuple[Any, list]:
+    """About ``size`` bytes of training rows as the TQ adapter keeps them, and a cut's plan of them."""
+    import numpy as np
+
+    from coordinator.data_plane import FieldData, FieldSpec
+    from coordinator.tq_capture import RowCapture
+
+    rng = np.random.default_rng(7)
+    cap = RowCapture(max_bytes=1 << 62)
+    ragged_i = FieldSpec("tensor", "int32", 1, (), True)
+    ragged_f = FieldSpec("tensor", "float32", 1, (), True)
+    scalar = FieldSpec("tensor", "int32", 0)
+    listing: dict[str, dict[str, Any]] = {}
+    n = 0
+    while cap.nbytes < size:
+        lengths = rng.integers(128, 384, CUT_SEGMENT_ROWS)
+        offsets = np.zeros(CUT_SEGMENT_ROWS + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        keys = [f"k{n + i}" for i in range(CUT_SEGMENT_ROWS)]
+        cap.add("bench", keys, {"input_ids": ragged_i, "generation_logprobs": ragged_f, "input_lengths": scalar}, {
+            "input_ids": FieldData(rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32), offsets),
+            "generation_logprobs": FieldData(rng.random(int(offsets[-1]), dtype=np.float32), offsets.copy()),
+            "input_lengths": FieldData(lengths.astype(np.int32))})
+        listing.update({k: {"rollout_id": f"r{(n + i) // 8}", "attempt_index": 0} for i, k in enumerate(keys)})
+        n += CUT_SEGMENT_ROWS
+    return cap, cap.resolve({"bench": listing})
+
+
+def _write_cut(op: str, plans: list, draft) -> Any:
+    from types import MappingProxyType
+
+    from coordinator.data_plane import TRAINING, DataPlaneCut, build_table, write_cut, write_sources
+    from coordinator.tq_capture import assemble, plan_source
+
+    part = draft.part("tq", writer="tq")
+    if op == "cut_stream":
+        return write_sources({TRAINING: [plan_source(p, i) for i, p in enumerate(plans)]}, part).entries[0]
+    table = build_table(TRAINING, [assemble(p) for p in plans])
+    return write_cut(DataPlaneCut(MappingProxyType({TRAINING: table}), ("bench",), 0.0, 0.0), part)[0]
+
+
 def child(op: str, size: int, store: str) -> dict[str, Any]:
     import pyarrow as pa  # noqa: F401  (imported before the baseline, like the library)
     import xxhash
@@ -125,6 +176,8 @@ def child(op: str, size: int, store: str) -> dict[str, Any]:
         held = build_rows(size).batches
     elif op == "save_stream":
         held = _base_batches(size)
+    elif op in ("cut_whole", "cut_stream"):
+        capture, plans = _captured(size)
     gc.collect()
     before = Sampler.now()
     t0 = time.perf_counter()
@@ -135,6 +188,12 @@ def child(op: str, size: int, store: str) -> dict[str, Any]:
             draft = ss.begin()
             data = _repeat(held, size) if op == "save_stream" else held
             entry = draft.part(PART, writer="model:policy0").write_rows(NAME, "token_capture_rows", data)
+            draft.publish()
+            out["file_bytes"] = entry.size
+            out["rows"] = entry.records
+        elif op in ("cut_whole", "cut_stream"):
+            draft = SnapshotStore(store).begin()
+            entry = _write_cut(op, plans, draft)
             draft.publish()
             out["file_bytes"] = entry.size
             out["rows"] = entry.records
@@ -167,7 +226,8 @@ def child(op: str, size: int, store: str) -> dict[str, Any]:
             raise ValueError(f"unknown op {op!r}")
     out.update({"op": op, "size": size, "seconds": round(time.perf_counter() - t0, 3), "before": before,
                 "peak": s.peak, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "held_bytes": sum(b.nbytes for b in held) if held is not None else 0})
+                "held_bytes": (sum(b.nbytes for b in held) if held is not None
+                               else capture.nbytes if op in ("cut_whole", "cut_stream") else 0)})
     return out
 
 
@@ -198,9 +258,9 @@ def run(config: dict[str, Any], quick: bool, scratch: Path, results: Path | None
         for size in config["sizes"]:
             store = work / f"store-{size >> 20}m"
             for op in OPS:
-                target = work / f"held-{size >> 20}m" if op == "save_held" else store
+                target = work / f"{op}-{size >> 20}m" if op in ("save_held", "cut_whole", "cut_stream") else store
                 m = _spawn(op, size, target)
-                if op == "save_held":
+                if target != store:
                     shutil.rmtree(target, ignore_errors=True)
                 m["added"] = {k: max(0, m["peak"][k] - m["before"][k]) for k in m["peak"]}
                 out.append(m)
@@ -308,6 +368,11 @@ def markdown(r: dict[str, Any]) -> str:
         f"- The streamed save yields a fixed set of batches (at most {r['base_bytes'] // MIB} MiB, built before the "
         "measurement starts) again and again: nothing it writes stays in memory unless the library keeps it. The "
         "held save builds all the rows first (what a cut of the data plane holds) and reports the peak above them.",
+        f"- The TQ rows are held as the adapter's capture holds them (segments of {CUT_SEGMENT_ROWS:,} rows, 128-383 "
+        "tokens each, int32 ids and float32 log-probs) with a cut's listing of them (keys and tags), built before the "
+        "measurement starts: **held before** is the capture's values. *Whole* is the coordinator's save before it "
+        "wrote window by window (every row copied into one table, then written); *window by window* builds at most "
+        "65,536 rows or about 64 MiB of values at a time (`coordinator.tq_capture.plan_source`).",
         "- Not covered here: a restore into TransferQueue (`DataPlane.load`) necessarily holds the rows it puts "
         "(TQ keeps them in memory), so it is proportional by nature; see the tq and restore reports.",
     ]
@@ -317,7 +382,8 @@ def markdown(r: dict[str, Any]) -> str:
 def plot(r: dict[str, Any], results: Path) -> Path:
     xs = [s / MIB for s in r["sizes"]]
     series = []
-    styles = {"save_stream": "o-", "save_held": "s-", "load_mmap": "^-", "load_stream": "v-"}
+    styles = {"save_stream": "o-", "save_held": "s-", "cut_whole": "x--", "cut_stream": "d-", "load_mmap": "^-",
+              "load_stream": "v-"}
     for op in OPS:
         series.append((f"{op}: above start (all)", xs, [v / MIB for v in _series(r, op, "VmRSS", True)], styles[op]))
     for op in ("load_mmap",):

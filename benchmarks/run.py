@@ -77,8 +77,12 @@ def _gym_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[
 def _tq_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
     from benchmarks import tq_bench
 
-    result = tq_bench.run(tq_bench.QUICK if opts.quick else tq_bench.FULL, opts.quick, opts.scratch, opts.results,
-                          say)
+    config = dict(tq_bench.QUICK if opts.quick else tq_bench.FULL)
+    if opts.tq_rows:
+        config["rows"] = tuple(sorted(set(opts.tq_rows)))
+    if opts.tq_layout:
+        config["layouts"] = tuple(dict.fromkeys(opts.tq_layout))
+    result = tq_bench.run(config, opts.quick, opts.scratch, opts.results, say)
     return tq_bench.markdown(result), result
 
 
@@ -215,6 +219,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--section", action="append", choices=sorted(SECTIONS), help="run only this section (repeatable)")
     p.add_argument("--no-cold", dest="cold", action="store_false", help="skip the cold-cache load rows")
     p.add_argument("--batch-rows", type=int, default=4096, help="rows per record batch (default 4096)")
+    p.add_argument("--tq-rows", type=int, action="append",
+                   help="tq section: rows in TQ (repeatable; default 10,000 and 100,000, --quick 1,000 and 10,000)")
+    p.add_argument("--tq-layout", action="append", choices=("dense", "ragged"),
+                   help="tq section: only this layout (repeatable; default both)")
     p.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH, help="temporary folder (removed afterwards)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the reports go")
     opts = p.parse_args(argv)
@@ -223,8 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         opts.size_gib = QUICK_SIZE_GIB if opts.quick else 1.0
     if opts.repeats is None:
         opts.repeats = QUICK_REPEATS if opts.quick else 3
-    if opts.size_gib <= 0 or opts.repeats < 1 or opts.batch_rows < 1:
-        p.error("--size-gib, --repeats and --batch-rows must be positive")
+    if opts.size_gib <= 0 or opts.repeats < 1 or opts.batch_rows < 1 or any(r < 1 for r in opts.tq_rows or ()):
+        p.error("--size-gib, --repeats, --batch-rows and --tq-rows must be positive")
     return opts
 
 

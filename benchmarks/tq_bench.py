@@ -13,9 +13,9 @@ rows through the adapter's ``put`` (TQ's ``kv_batch_put``), :data:`PUT_BATCH` ro
 and ``input_lengths`` int32. Then, per repeat (the two methods' order alternating):
 
 * *ours, save*: ``deferred_cut()`` (the pause's share: TQ's listing and the plan of the kept rows)
-  + ``materialize()`` (the rows the adapter kept as it put them, built into one Arrow table) +
-  ``SnapshotStore.begin()`` + ``write_cut`` into the draft's ``tq`` part (row checks, xxh3-128,
-  fsync) + ``publish()``. Once per row count also *no capture*: the same save by an adapter that
+  + ``SnapshotStore.begin()`` + ``DeferredCut.write`` into the draft's ``tq`` part (the rows the
+  adapter kept as it put them, built into Arrow one window at a time and written: row checks,
+  xxh3-128, fsync) + ``publish()``. Once per row count also *no capture*: the same save by an adapter that
   kept nothing, so every value is read back with ``kv_batch_get``.
 * *TQ, save*: ``tq.save_checkpoint(dir)`` (TQ pickles its controller state and each storage unit's
   per-row values; no fsync).
@@ -109,7 +109,6 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
     """One (rows, layout): TQ cleared and filled, then every repeat of the four operations."""
     import transfer_queue as tq
 
-    from coordinator.data_plane import write_cut
     from coordinator.tq_adapter import TQDataPlane
     from snapformat import SnapshotStore
 
@@ -122,11 +121,11 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
     log(f"tq: {layout} {rows:,} rows in TQ: {fill['raw_bytes'] / MIB:.1f} MiB of values, put in "
         f"{fill['fill_s']:.1f} s ({fill['raw_bytes'] / MIB / fill['fill_s']:.1f} MiB/s, {batch} rows per put, "
         f"not timed; of which the adapter keeping them {fill['capture_s']:.3f} s)")
-    probe = common.MethodTimer(plane, ("_read_partition", "_read_planned", "_make_cut"))
+    probe = common.MethodTimer(plane, ("_read_partition",))
     times: dict[str, list[float]] = {f"{m} {p}": [] for m in (OURS, THEIRS) for p in (SAVE, LOAD)}
     times[LOADED] = []
     times[UNCAPTURED] = []
-    parts: dict[str, list[float]] = {k: [] for k in ("listing", "tq_reads", "assemble", "arrow_build", "write",
+    parts: dict[str, list[float]] = {k: [] for k in ("listing", "tq_reads", "write",
                                                       "publish", "snapshot_read", "registered", "tq_puts")}
     sizes: dict[str, int] = {}
     checks: list[str] = []
@@ -142,32 +141,27 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
             t0 = time.perf_counter()
             deferred = adapter.deferred_cut()
             t1 = time.perf_counter()
-            cut = deferred.materialize()
-            t2 = time.perf_counter()
             draft = store.begin()
-            write_cut(cut, draft.part("tq", writer="tq"))
+            deferred.write(draft.part("tq", writer="tq"))  # window by window, as a coordinator save writes
             t3 = time.perf_counter()
             published = draft.publish()
             t4 = time.perf_counter()
             inside = probe.take()
             times[label].append(t4 - t0)
-            del cut
             if adapter is not plane:
                 log(f"tq: {layout} {rows:,} rows: ours save without the capture (every row read with "
                     f"kv_batch_get, as before) {t4 - t0:.2f} s")
                 return
             parts["listing"].append(t1 - t0)
             parts["tq_reads"].append(inside.get("_read_partition", 0.0))
-            parts["assemble"].append(inside.get("_read_planned", 0.0) - inside.get("_read_partition", 0.0))
-            parts["arrow_build"].append(inside.get("_make_cut", 0.0))
-            parts["write"].append(t3 - t2)
+            parts["write"].append(t3 - t1 - inside.get("_read_partition", 0.0))
             parts["publish"].append(t4 - t3)
             files = common.snapshot_files(store_root, published.manifest.snapshot_id, published.manifest.sequence)
             sizes["ours"] = sum(p.stat().st_size for p in files)
             sizes["ours_rows_file"] = sum(f.size for f in published.manifest.files if f.kind == "training_rows")
             log(f"tq: {layout} {rows:,} rows, repeat {rep + 1}/{repeats}: ours save {t4 - t0:.2f} s "
-                f"(listing {t1 - t0:.3f}, TQ reads {inside.get('_read_partition', 0):.2f}, capture "
-                f"{parts['assemble'][-1]:.2f}, Arrow {inside.get('_make_cut', 0):.2f}, write {t3 - t2:.2f}, "
+                f"(listing {t1 - t0:.3f}, TQ reads {inside.get('_read_partition', 0):.2f}, rows built and "
+                f"written {parts['write'][-1]:.2f}, "
                 f"publish {t4 - t3:.3f}); {sizes['ours'] / MIB:.1f} MiB")
 
         def uncaptured_save() -> None:  # once: the same save reading every row back out of TQ
@@ -265,7 +259,7 @@ def run(config: dict[str, Any], quick: bool, scratch: Path, results: Path | None
     sweep = []
     try:
         for rows in config["rows"]:
-            for layout in LAYOUTS:
+            for layout in config.get("layouts", LAYOUTS):
                 reps = config["repeats"].get(rows, 1)
                 out.append(measure(rows, layout, reps, work, log))
         for batch in config["sweep_batches"]:
@@ -280,7 +274,8 @@ def run(config: dict[str, Any], quick: bool, scratch: Path, results: Path | None
         finally:
             cleanup()
     result = {
-        "quick": quick, "rows": list(config["rows"]), "layouts": list(LAYOUTS), "row_tokens": ROW_TOKENS,
+        "quick": quick, "rows": list(config["rows"]), "layouts": list(config.get("layouts", LAYOUTS)),
+        "row_tokens": ROW_TOKENS,
         "put_batch": PUT_BATCH, "partition": PARTITION, "measured": out, "sweep": sweep,
         "sweep_rows": config["sweep_rows"],
         "skipped": None if quick or SKIPPED_ROWS in config["rows"] else SKIPPED_ROWS,
@@ -309,7 +304,7 @@ def plot(result: dict[str, Any], results: Path) -> Path:
     rows = result["rows"]
     styles = {SAVE: "o-", LOAD: "s-", LOADED: "^:"}
     names = {SAVE: "save", LOAD: "load (returns)", LOADED: "load (TQ holds all)"}
-    for layout in LAYOUTS:
+    for layout in result["layouts"]:
         for phase in (SAVE, LOAD, LOADED):
             ys = [next((m["speedup"][phase] for m in result["measured"] if m["rows"] == r and m["layout"] == layout),
                        None) for r in rows]
@@ -388,15 +383,14 @@ def markdown(r: dict[str, Any]) -> str:
             f"{_big(b['tq'])} | **{m['size_vs_raw']['ours']:.3f}x** | {m['size_vs_raw']['tq']:.2f}x |")
     lines += ["", "## Where the adapter's time goes (median s)", "",
               "| rows | layout | repeats | save: listing + plan (the pause's share) | save: TQ reads (keys not "
-              "captured) | save: capture assembled | save: Arrow build | save: write (checks, xxh3, fsync) | "
+              "captured) | save: rows built and written, window by window (checks, xxh3, fsync) | "
               "save: publish | load: until it returns (read, verify, parse) | load: keys registered at | load: values "
               "put after it returned | fill: `kv_batch_put` (not timed) | of which keeping the rows |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in r["measured"]:
         p = m["parts_median_s"]
         lines.append(f"| {m['rows']:,} | {m['layout']} | {m['repeats']} | {common.secs(p.get('listing'))} | "
-                     f"{common.secs(p.get('tq_reads'))} | {common.secs(p.get('assemble'))} | "
-                     f"{common.secs(p.get('arrow_build'))} | {common.secs(p.get('write'))} | "
+                     f"{common.secs(p.get('tq_reads'))} | {common.secs(p.get('write'))} | "
                      f"{common.secs(p.get('publish'))} | {common.secs(p.get('snapshot_read'))} | "
                      f"{common.secs(p.get('registered'))} | {common.secs(p.get('tq_puts'))} | "
                      f"{common.secs(m['fill_s'])} | {common.secs(m['capture_s'])} |")
@@ -429,9 +423,9 @@ def markdown(r: dict[str, Any]) -> str:
         "of TQ's checkpoint folder. **raw** = the values' own bytes (int32 and float32 elements: 8 bytes per token "
         "+ 4 for `input_lengths`), no keys, tags or offsets.",
         "- Ours, save = `deferred_cut()` (TQ's listing, and the plan of which kept rows the cut takes: what the "
-        "pause holds) + `materialize()` (the rows the adapter kept when it put them, assembled; `kv_batch_get` only "
-        "for keys it did not put, none here) + `SnapshotStore.begin()` + `write_cut(...)` into the draft's `tq` part "
-        "(row checks, xxh3-128, fsync) + `publish()` (part manifest, manifest, commit record, fsyncs). **No "
+        "pause holds) + `SnapshotStore.begin()` + `write(...)` into the draft's `tq` part (the rows the adapter kept "
+        "when it put them, built into Arrow one window at a time and written: row checks, xxh3-128, fsync; "
+        "`kv_batch_get` only for keys it did not put, none here) + `publish()` (part manifest, manifest, commit record, fsyncs). **No "
         "capture** is the same save by an adapter that kept nothing, so every row is read back with `kv_batch_get` "
         "(the adapter before the capture; run once per row count). TQ, save = `tq.save_checkpoint(dir)`: pickles "
         "the controller's state and the storage unit's per-row values (`su_*.pkl`), renames the folder into place; "

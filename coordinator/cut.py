@@ -4,8 +4,10 @@
 data plane's producers are at the barrier) and returns what makes the cut: an immutable copy of the
 controller's records and the data plane's :class:`~coordinator.data_plane.DeferredCut` (for
 TransferQueue, whose rows are write-once, only the listing of keys and tags; for others, a copy of
-the rows as Arrow tables). :func:`write_cut_parts` materializes and writes it into a draft
-(``tq/`` and ``controller/``) at any later time, from any thread; nothing it reads can change under it.
+the rows as Arrow tables). :func:`write_cut_parts` writes it into a draft (``tq/`` and
+``controller/``) at any later time, from any thread; nothing it reads can change under it. For
+TransferQueue the rows are built and written one window at a time, so writing holds one window's
+copy of the values, not the cut's.
 
 :class:`CutInBackground` takes it on a thread of its own, so that a save can take it while Gym
 prepares and commits: from the flush of acknowledgements to the resume, the controller's loop is held
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.bookkeeping import Bookkeeping, ControllerRecords
-from coordinator.data_plane import DataPlane, DataPlaneCut, DeferredCut, write_cut
+from coordinator.data_plane import DataPlane, DeferredCut, WrittenRows
 from schemas.manifest import FileEntry
 from snapformat.draft import SnapshotDraft
 
@@ -80,12 +82,11 @@ class CutInBackground:
         self._thread.join()
 
 
-def write_cut_parts(draft: SnapshotDraft, cut: Cut, compression: str = "none") -> tuple[DataPlaneCut, list[FileEntry]]:
+def write_cut_parts(draft: SnapshotDraft, cut: Cut, compression: str = "none") -> tuple[WrittenRows, list[FileEntry]]:
     """Write the cut's parts into ``draft`` (each file durable on return); publish closes them.
-    Returns the data plane's materialized cut (for its sizes) and the files written."""
-    rows = cut.rows.materialize()
-    tq = draft.part(TQ_PREFIX, writer="tq")
-    entries = write_cut(rows, tq, compression)
+    Returns what the data plane's rows came to (rows and bytes per kind) and the files written."""
+    rows = cut.rows.write(draft.part(TQ_PREFIX, writer="tq"), compression)
+    entries = list(rows.entries)
     ctl = draft.part(CONTROLLER_PREFIX, writer="controller")
     entries.append(ctl.write_json("loader", "loader_place", cut.records.loader))
     entries.append(ctl.write_records("replay_index", "replay_index", cut.records.replay))

@@ -12,7 +12,10 @@ must be consistent) apart from writing the bytes (what may happen after Gym resu
    returns can reach the snapshot.
 2. :func:`write_cut` (also :meth:`DataPlane.write_cut`), after the barrier is released: streams
    each table into the snapshot's part, one Arrow file per kind (``training.arrow``,
-   ``token_capture.arrow``), checked by snapformat's row rules.
+   ``token_capture.arrow``), checked by snapformat's row rules. A data plane whose cut is only a
+   plan of rows it holds (TransferQueue's adapter) writes the same files with
+   :func:`write_sources` instead, building the table one window of rows at a time
+   (:meth:`DeferredCut.write`), so that writing never holds a copy of the whole cut.
 3. :meth:`DataPlane.load`, on restore: reads those files back (checksums verified) into an empty
    data plane, so that it holds exactly what it held: the same partitions, keys (in the same
    order), tags, and field values with their dtypes, shapes and dense/ragged layout.
@@ -38,7 +41,7 @@ import json
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -438,6 +441,124 @@ def _spread(chunks: list[tuple[np.ndarray, pa.Array]], n: int, arrow_t: pa.DataT
     return joined.take(pa.array(np.argsort(order, kind="stable")))
 
 
+@dataclass(frozen=True)
+class PartitionSource:
+    """One partition of a row table that is built window by window, so that building it never holds
+    more than one window's copy of its values.
+
+    What the table's schema and layout need is known up front: ``specs`` (every field's layout over
+    the whole partition, in the data plane's order), ``as_json`` (object fields kept as JSON text),
+    ``tag_names`` (every tag name of its rows) and ``rows``. ``windows()`` gives the rows as
+    consecutive :class:`PartitionRows` of its keys, in order, whose values follow ``specs``.
+    """
+
+    partition_id: str
+    position: int
+    rows: int
+    specs: Mapping[str, FieldSpec]
+    as_json: Mapping[str, bool]
+    tag_names: frozenset[str]
+    windows: Callable[[], Iterable[PartitionRows]]
+
+
+def needs_json(values: Iterable[Any]) -> bool:
+    """Whether an object field's values are kept as JSON text: unless every one is a ``str``."""
+    return not all(type(v) is str for v in values)
+
+
+def whole_source(part: PartitionRows, position: int) -> PartitionSource:
+    """A partition held whole as one window."""
+    as_json = {name: needs_json(v for g in part.groups if name in g.fields for v in g.fields[name].values)
+               for name, spec in part.specs.items() if spec.type == "object"}
+    return PartitionSource(part.partition_id, int(position), len(part.keys), part.specs, as_json,
+                           frozenset().union(*part.tags) if part.tags else frozenset(), lambda: (part,))
+
+
+def table_schema(kind: str, sources: Sequence[PartitionSource]) -> pa.Schema:
+    """The schema of a row table of ``kind`` holding ``sources``, with the layout in its metadata.
+
+    Columns: ``key``, ``partition_id``, the row schema's other columns, every other field (sorted),
+    ``row_tags`` (which carries the layout). A column's type is the field's own where a partition has
+    it as a field, else the row schema's; partitions that disagree are refused, naming both.
+    """
+    schema = ROW_SCHEMAS[kind]
+    types: dict[str, tuple[pa.DataType, str]] = {}
+    layout_parts = []
+    for src in sources:
+        where = f"partition {src.partition_id!r}"
+        clash = RESERVED_COLUMNS & set(src.specs)
+        if clash:
+            raise InvalidRecordError(f"{where}: field name {sorted(clash)[0]!r} is reserved for the row table")
+        for name, spec in src.specs.items():
+            arrow_t = spec.arrow_type()
+            prev = types.setdefault(name, (arrow_t, src.partition_id))
+            if prev[0] != arrow_t:
+                raise InvalidRecordError(
+                    f"{where}: field {name!r} is {arrow_t} here but {prev[0]} in partition {prev[1]!r}; "
+                    "one column of a row table cannot hold both")
+        layout_parts.append({"id": src.partition_id, "position": src.position, "fields": {
+            name: spec.to_json(src.as_json.get(name, False)) for name, spec in src.specs.items()}})
+    for f in schema:
+        if f.name in RESERVED_COLUMNS or f.name not in types:
+            continue
+        arrow_t, pid = types[f.name]
+        by_tag = next((s.partition_id for s in sources if f.name not in s.specs and f.name in s.tag_names), None)
+        if by_tag is not None and arrow_t != f.type:
+            raise InvalidRecordError(
+                f"partition {pid!r}: field {f.name!r} is {arrow_t}, but partition {by_tag!r} fills that column "
+                f"from its tag as {f.type}; one column of a row table cannot hold both")
+    # Not sorted: partitions and fields keep the data plane's order, which a restore reproduces.
+    layout = json.dumps({"version": LAYOUT_VERSION, "kind": kind, "partitions": layout_parts})
+    names = [KEY_COLUMN, PARTITION_COLUMN] + [f.name for f in schema if f.name not in RESERVED_COLUMNS]
+    names += sorted(n for n in types if n not in names)
+    fields = [pa.field(n, pa.string() if n in RESERVED_COLUMNS else types[n][0] if n in types
+                       else schema.field(n).type) for n in names]
+    fields.append(pa.field(TAGS_COLUMN, pa.string(), metadata={LAYOUT_KEY: layout.encode()}))
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def window_table(src: PartitionSource, window: PartitionRows, schema: pa.Schema) -> pa.Table:
+    """One window of ``src``'s rows as a table of ``schema`` (:func:`table_schema`): a column the
+    window has no value for is null."""
+    where = f"partition {src.partition_id!r}"
+    n = len(window.keys)
+    if len(window.tags) != n:
+        raise InvalidRecordError(f"{where}: {len(window.tags)} tags for {n} keys")
+    chunks: dict[str, list[tuple[np.ndarray, pa.Array]]] = {name: [] for name in src.specs}
+    for group in window.groups:
+        for name, fd in group.fields.items():
+            spec = src.specs.get(name)
+            if spec is None:
+                raise InvalidRecordError(f"{where}: field {name!r} has values but no layout")
+            fwhere = f"{where} field {name!r}"
+            if spec.type == "object":
+                if len(fd.values) != len(group.rows):
+                    raise InvalidRecordError(f"{fwhere}: {len(fd.values)} values for {len(group.rows)} rows")
+                column = _object_column(list(fd.values), src.as_json.get(name, False), fwhere)
+            else:
+                column = _tensor_column(fd, spec, len(group.rows), fwhere)
+            chunks[name].append((group.rows, column))
+    arrays = []
+    for f in schema:
+        if f.name == KEY_COLUMN:
+            arrays.append(pa.array(window.keys, type=pa.string()))
+        elif f.name == PARTITION_COLUMN:
+            arrays.append(pa.array([src.partition_id] * n, type=pa.string()))
+        elif f.name == TAGS_COLUMN:
+            arrays.append(pa.array(json_texts(window.tags, f"{where} tags"), type=pa.string()))
+        elif f.name in src.specs:
+            arrays.append(_spread(chunks[f.name], n, f.type))
+        elif f.name in src.tag_names:  # a row-schema column that is not a field: the tag of that name
+            try:
+                arrays.append(pa.array([t.get(f.name) for t in window.tags], type=f.type))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+                raise InvalidRecordError(
+                    f"{where}: tag {f.name!r} cannot fill column of type {f.type}: {exc}") from None
+        else:
+            arrays.append(pa.nulls(n, f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
 def build_table(kind: str, partitions: Sequence[PartitionRows], positions: Sequence[int] | None = None) -> pa.Table:
     """One table of ``kind`` holding every row of ``partitions``, with the layout in its metadata.
 
@@ -446,82 +567,10 @@ def build_table(kind: str, partitions: Sequence[PartitionRows], positions: Seque
     """
     if positions is None:
         positions = range(len(partitions))
-    schema = ROW_SCHEMAS[kind]
-    layout_parts = []
-    tables = []
-    field_types: dict[str, tuple[pa.DataType, str]] = {}
-    for part, position in zip(partitions, positions):
-        where = f"partition {part.partition_id!r}"
-        n = len(part.keys)
-        if len(part.tags) != n:
-            raise InvalidRecordError(f"{where}: {len(part.tags)} tags for {n} keys")
-        clash = RESERVED_COLUMNS & set(part.specs)
-        if clash:
-            raise InvalidRecordError(f"{where}: field name {sorted(clash)[0]!r} is reserved for the row table")
-        chunks: dict[str, list[tuple[np.ndarray, pa.Array]]] = {name: [] for name in part.specs}
-        objects: dict[str, list[tuple[np.ndarray, list[Any]]]] = {}
-        for group in part.groups:
-            for name, fd in group.fields.items():
-                spec = part.specs.get(name)
-                if spec is None:
-                    raise InvalidRecordError(f"{where}: field {name!r} has values but no layout")
-                fwhere = f"{where} field {name!r}"
-                if spec.type == "object":
-                    if len(fd.values) != len(group.rows):
-                        raise InvalidRecordError(f"{fwhere}: {len(fd.values)} values for {len(group.rows)} rows")
-                    objects.setdefault(name, []).append((group.rows, list(fd.values)))
-                else:
-                    chunks[name].append((group.rows, _tensor_column(fd, spec, len(group.rows), fwhere)))
-        as_json: dict[str, bool] = {}
-        for name, groups in objects.items():
-            as_json[name] = not all(type(v) is str for _, vals in groups for v in vals)
-            fwhere = f"{where} field {name!r}"
-            chunks[name] = [(rows, _object_column(vals, as_json[name], fwhere)) for rows, vals in groups]
-        cols: dict[str, pa.Array] = {
-            KEY_COLUMN: pa.array(part.keys, type=pa.string()),
-            PARTITION_COLUMN: pa.array([part.partition_id] * n, type=pa.string()),
-        }
-        tag_names = set().union(*part.tags) if part.tags else set()
-        for f in schema:  # a required column that is not a field comes from the tag of that name
-            if f.name in RESERVED_COLUMNS or f.name in part.specs:
-                continue
-            if f.name in tag_names:
-                try:
-                    cols[f.name] = pa.array([t.get(f.name) for t in part.tags], type=f.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-                    raise InvalidRecordError(
-                        f"{where}: tag {f.name!r} cannot fill column of type {f.type}: {exc}") from None
-        for name in sorted(part.specs):
-            spec = part.specs[name]
-            arrow_t = spec.arrow_type()
-            prev = field_types.get(name)
-            if prev is not None and prev[0] != arrow_t:
-                raise InvalidRecordError(
-                    f"{where}: field {name!r} is {arrow_t} here but {prev[0]} in partition {prev[1]!r}; "
-                    "one column of a row table cannot hold both")
-            field_types.setdefault(name, (arrow_t, part.partition_id))
-            cols[name] = _spread(chunks[name], n, arrow_t)
-        cols[TAGS_COLUMN] = pa.array(json_texts(part.tags, f"{where} tags"), type=pa.string())
-        tables.append(pa.table(cols))
-        layout_parts.append({"id": part.partition_id, "position": int(position), "fields": {
-            name: spec.to_json(as_json.get(name, False)) for name, spec in part.specs.items()}})
-    # Not sorted: partitions and fields keep the data plane's order, which a restore reproduces.
-    layout = json.dumps({"version": LAYOUT_VERSION, "kind": kind, "partitions": layout_parts})
-    if tables:
-        table = pa.concat_tables(tables, promote_options="default")
-    else:
-        table = pa.table({KEY_COLUMN: pa.array([], pa.string()), PARTITION_COLUMN: pa.array([], pa.string()),
-                          TAGS_COLUMN: pa.array([], pa.string())})
-    for f in schema:  # the full schema even when no row has a column (a missing required one is caught on write)
-        if f.name not in table.column_names:
-            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
-    order = [KEY_COLUMN, PARTITION_COLUMN] + [f.name for f in schema if f.name not in RESERVED_COLUMNS]
-    order += sorted(c for c in table.column_names if c not in order and c != TAGS_COLUMN) + [TAGS_COLUMN]
-    table = table.select(order)
-    i = table.schema.get_field_index(TAGS_COLUMN)
-    table = table.set_column(i, table.schema.field(i).with_metadata({LAYOUT_KEY: layout.encode()}),
-                             table.column(i))
-    return table.replace_schema_metadata(schema.metadata)
+    sources = [whole_source(p, pos) for p, pos in zip(partitions, positions)]
+    schema = table_schema(kind, sources)
+    tables = [window_table(s, w, schema) for s in sources for w in s.windows()]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
 def layout_of(schema: pa.Schema) -> dict[str, Any] | None:
@@ -680,6 +729,16 @@ class DeferredCut(ABC):
     def materialize(self) -> DataPlaneCut:
         """The cut as of the pause (raises :class:`DataPlaneChangedError` if that is no longer possible)."""
 
+    def write(self, part, compression: str = "none") -> WrittenRows:
+        """Write the cut's rows into ``part`` (a :class:`snapformat.PartWriter`), one file per kind.
+
+        This default materializes the whole cut, then writes it; a data plane that can build its
+        rows a window at a time overrides it, so that writing holds one window's copy, not the cut's.
+        """
+        cut = self.materialize()
+        entries = write_cut(cut, part, compression)
+        return WrittenRows(MappingProxyType(dict(cut.rows)), cut.nbytes, tuple(entries))
+
 
 class ReadyCut(DeferredCut):
     """A cut already copied out in the pause (the default for any data plane)."""
@@ -693,8 +752,9 @@ class ReadyCut(DeferredCut):
         return self.cut
 
 
-def _check_required(kind: str, table: pa.Table) -> None:
-    """Every required column of ``kind`` is present and has no null: say which row lacks what."""
+def _check_required(kind: str, table: pa.Table, first_row: int = 0) -> None:
+    """Every required column of ``kind`` is present and has no null: say which row (counted from
+    ``first_row``, where ``table`` starts in the file) lacks what."""
     for f in ROW_SCHEMAS[kind]:
         if f.nullable:
             continue
@@ -707,7 +767,7 @@ def _check_required(kind: str, table: pa.Table) -> None:
         if col.null_count:
             i = pc.index(col.is_null(), True).as_py()
             raise InvalidRecordError(
-                f"{kind}: row {i} (partition {table.column(PARTITION_COLUMN)[i].as_py()!r}, key "
+                f"{kind}: row {first_row + i} (partition {table.column(PARTITION_COLUMN)[i].as_py()!r}, key "
                 f"{table.column(KEY_COLUMN)[i].as_py()!r}) has no field or tag {f.name!r}, "
                 "which the row schema requires")
 
@@ -727,6 +787,57 @@ def write_cut(cut: DataPlaneCut, part, compression: str = "none", batch_rows: in
             batches = [pa.RecordBatch.from_pylist([], schema=table.schema)]
         entries.append(part.write_rows(FILE_NAMES[kind], kind, batches, compression=compression))
     return entries
+
+
+@dataclass(frozen=True)
+class WrittenRows:
+    """What writing a cut's rows wrote: rows per kind, their size in memory (Arrow), the files."""
+
+    rows: Mapping[str, int]
+    nbytes: int
+    entries: tuple[FileEntry, ...]
+
+
+def write_sources(sources: Mapping[str, Sequence[PartitionSource]], part, compression: str = "none",
+                  batch_rows: int = 65536) -> WrittenRows:
+    """Stream the partitions of each kind into ``part`` (a :class:`snapformat.PartWriter`), one file
+    per kind, building one window of rows at a time: the file's schema (layout included) is fixed
+    from the sources first, then each window is built, checked (a row missing a required column is
+    refused, naming its row in the file, partition and key) and written before the next is built.
+    A file holds the same table as :func:`write_cut` writes for the same rows."""
+    rows: dict[str, int] = {}
+    entries = []
+    tally = _Tally()
+    for kind, srcs in sources.items():
+        tally.rows = 0
+        batches = _window_batches(kind, srcs, table_schema(kind, srcs), batch_rows, tally)
+        entries.append(part.write_rows(FILE_NAMES[kind], kind, batches, compression=compression))
+        rows[kind] = tally.rows
+    return WrittenRows(MappingProxyType(rows), tally.nbytes, tuple(entries))
+
+
+@dataclass
+class _Tally:
+    rows: int = 0  # of the kind being written
+    nbytes: int = 0  # of every kind
+
+
+def _window_batches(kind: str, sources: Sequence[PartitionSource], schema: pa.Schema, batch_rows: int,
+                    tally: _Tally) -> Iterator[pa.RecordBatch]:
+    for src in sources:
+        seen = 0
+        for window in src.windows():
+            table = window_table(src, window, schema)
+            _check_required(kind, table, tally.rows)
+            seen += table.num_rows
+            tally.rows += table.num_rows
+            tally.nbytes += table.nbytes
+            yield from table.to_batches(max_chunksize=batch_rows)
+            del window, table  # before the next window is built: one window's copy at a time
+        if seen != src.rows:
+            raise DataPlaneError(f"partition {src.partition_id!r}: its windows gave {seen} rows, expected {src.rows}")
+    if not tally.rows:  # keep the layout (partitions, even empty ones) in the file's schema
+        yield pa.RecordBatch.from_pylist([], schema=schema)
 
 
 @dataclass(frozen=True)
@@ -1046,5 +1157,6 @@ __all__ = [
     "FieldData", "FieldSpec", "FILE_NAMES", "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows",
     "Ragged", "RowGroup", "TOKEN_CAPTURE", "TRAINING", "build_table", "check_json_value", "group_by_presence",
     "concat_fields", "field_data", "layout_of", "slice_field", "unify_specs", "parse_table", "rows_of", "write_cut",
+    "PartitionSource", "WrittenRows", "needs_json", "table_schema", "whole_source", "window_table", "write_sources",
 ]
 

@@ -47,9 +47,10 @@ from tensordict import TensorDict  # noqa: E402
 
 from coordinator.data_plane import (  # noqa: E402
     DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError, DeferredCut, FieldData, FieldSpec, InvalidRecordError,
-    PartitionRows, RowGroup, concat_fields, field_data, group_by_presence, rows_of, slice_field, unify_specs,
+    PartitionRows, PartitionSource, RowGroup, WrittenRows, concat_fields, field_data, group_by_presence, rows_of,
+    slice_field, unify_specs, write_sources,
 )
-from coordinator.tq_capture import DEFAULT_MAX_BYTES, PartitionPlan, RowCapture, assemble  # noqa: E402
+from coordinator.tq_capture import DEFAULT_MAX_BYTES, PartitionPlan, RowCapture, assemble, plan_source  # noqa: E402
 from coordinator.tq_tensors import from_tq, to_tq  # noqa: E402
 
 log = logging.getLogger("coordinator.tq_adapter")
@@ -201,18 +202,23 @@ class TQDataPlane(DataPlane):
 
     def _read_planned(self, t: _TQ, plans: Sequence[PartitionPlan]) -> list[PartitionRows]:
         """The partitions of ``plans``: captured runs as kept, misses read from TQ."""
+        return [assemble(plan, missed, order) for plan, (missed, order) in zip(plans, self._read_misses(t, plans))]
+
+    def _read_misses(self, t: _TQ, plans: Sequence[PartitionPlan]
+                     ) -> list[tuple[PartitionRows | None, list[str] | None]]:
+        """For each plan, its misses' rows read from TQ and TQ's field order (``None``, ``None``: none)."""
         if any(len(p.misses) for p in plans) and self._loading is not None:
             self._loading.wait(self.call_timeout_s)  # a miss may be a restored key whose values are on their way
             self._check_loading()
-        out = []
+        out: list[tuple[PartitionRows | None, list[str] | None]] = []
         for plan in plans:
             if not len(plan.misses):
-                out.append(assemble(plan))
+                out.append((None, None))
                 continue
             schema = t.field_schema(plan.partition_id)
             missed = self._read_partition(t, plan.partition_id,
                                           {plan.keys[i]: plan.tags[i] for i in plan.misses}, schema)
-            out.append(assemble(plan, missed, list(schema)))
+            out.append((missed, list(schema)))
         return out
 
     def _read_partition(self, t: _TQ, pid: str, key_tags: dict[str, Any],
@@ -486,9 +492,25 @@ class _PlannedCut(DeferredCut):
 
     def materialize(self) -> DataPlaneCut:
         started = time.perf_counter()
+        read = self._read_misses()
+        parts = [assemble(plan, missed, order) for plan, (missed, order) in zip(self._plans, read)]
+        return self._plane._make_cut(parts, started, self._taken_at)
+
+    def write(self, part, compression: str = "none") -> WrittenRows:
+        """Write the cut's rows window by window (:func:`~coordinator.tq_capture.plan_source`): the
+        kept rows are copied one window at a time as they are written; the misses, read from TQ
+        first, are held whole until their partition is written."""
+        read = self._read_misses()
+        sources: dict[str, list[PartitionSource]] = {kind: [] for kind in self._plane.kinds}
+        for position, (plan, (missed, order)) in enumerate(zip(self._plans, read)):
+            sources[self._plane.kind_of(plan.partition_id)].append(plan_source(plan, position, missed, order))
+        return write_sources(sources, part, compression)
+
+    def _read_misses(self) -> list[tuple[PartitionRows | None, list[str] | None]]:
+        """The misses' rows (read from TQ), once every one of those keys is checked to still have its tag."""
         t = self._plane._tq()
         try:
-            parts = self._plane._read_planned(t, self._plans)
+            read = self._plane._read_misses(t, self._plans)
         except DataPlaneChangedError as exc:
             raise DataPlaneChangedError(f"{_BROKEN}: {exc}") from None
         missed = [(p.partition_id, [p.keys[i] for i in p.misses]) for p in self._plans if len(p.misses)]
@@ -498,7 +520,7 @@ class _PlannedCut(DeferredCut):
                 current, listed = now.get(pid), self._listing[pid]
                 if current is None or any(current.get(k, _GONE) != listed[k] for k in keys):
                     raise DataPlaneChangedError(f"{_BROKEN}: partition {pid!r} no longer holds them as listed")
-        return self._plane._make_cut(parts, started, self._taken_at)
+        return read
 
 
 _GONE = object()

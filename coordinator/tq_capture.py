@@ -27,9 +27,10 @@ This module needs numpy only: no Ray, no torch.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -37,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from coordinator.data_plane import (
-    FieldData, FieldSpec, PartitionRows, RowGroup, concat_fields, slice_field, unify_specs,
+    FieldData, FieldSpec, PartitionRows, PartitionSource, RowGroup, concat_fields, needs_json, slice_field,
+    unify_specs,
 )
 
 log = logging.getLogger("coordinator.tq_capture")
@@ -246,47 +248,138 @@ class RowCapture:
             log.debug("capture: dropped %d segment(s) of partition %r (%d bytes)", len(segments), pid, freed)
 
 
-def assemble(plan: PartitionPlan, missed: PartitionRows | None = None,
-             field_order: Sequence[str] | None = None) -> PartitionRows:
-    """The partition a plan describes, in the neutral form: captured runs, plus ``missed`` (the rows at
-    ``plan.misses``, read from TransferQueue, with positions relative to those misses).
+def _runs_by_fields(plan: PartitionPlan) -> dict[tuple[str, ...], list[Run]]:
+    """The plan's runs by the set of fields their rows hold (rows that hold the same fields form one
+    group, as TransferQueue's production status gives them)."""
+    by_names: dict[tuple[str, ...], list[Run]] = {}
+    for run in plan.runs:
+        by_names.setdefault(tuple(sorted(run.segment.specs)), []).append(run)
+    return by_names
+
+
+def _same_lengths(runs: Sequence[Run], name: str) -> bool:
+    """Whether every row of ``runs`` holds a value of ``name`` of the same length (offsets only)."""
+    first = None
+    for r in runs:
+        off = r.segment.fields[name].offsets[r.row:r.row + r.length + 1]
+        lengths = np.diff(off)
+        if not len(lengths):
+            continue
+        if first is None:
+            first = lengths[0]
+        if not bool(np.all(lengths == first)):
+            return False
+    return True
+
+
+def plan_specs(plan: PartitionPlan, missed: PartitionRows | None = None,
+               field_order: Sequence[str] | None = None) -> dict[str, FieldSpec]:
+    """Every field's layout over the whole partition a plan describes (reads offsets, no values).
 
     Fields are ordered as ``field_order`` says (TransferQueue's own order, needed only when there are
     misses), else in the order they first appeared in the partition's puts. As when reading from
-    TransferQueue, a field put dense whose rows turn out to differ in length is ragged.
+    TransferQueue, a field put dense whose rows (of one group) turn out to differ in length is ragged.
     """
     where = f"partition {plan.partition_id!r}"
-    by_names: dict[tuple[str, ...], list[Run]] = {}
-    for run in plan.runs:  # rows holding the same fields form one group, as TransferQueue's presence gives
-        by_names.setdefault(tuple(sorted(run.segment.specs)), []).append(run)
-    groups: list[RowGroup] = []
     specs: dict[str, list[FieldSpec]] = {}
-    for names, runs in by_names.items():
-        if not names:  # rows that hold no field are in no group, as TransferQueue's presence gives them
-            continue
-        rows = np.concatenate([np.arange(r.start, r.start + r.length, dtype=np.int64) for r in runs])
-        fields = {}
+    for names, runs in _runs_by_fields(plan).items():
         for name in names:
             spec = unify_specs([r.segment.specs[name] for r in runs], f"{where} field {name!r}")
-            fd = concat_fields([slice_field(r.segment.fields[name], r.segment.specs[name], r.row, r.row + r.length)
-                                for r in runs], spec)
-            if spec.type == "tensor" and spec.ndim and not spec.nested:
-                lengths = np.diff(fd.offsets)
-                if len(lengths) and not bool(np.all(lengths == lengths[0])):
-                    spec = FieldSpec(spec.type, spec.dtype, spec.ndim, spec.inner, True)
+            if spec.type == "tensor" and spec.ndim and not spec.nested and not _same_lengths(runs, name):
+                spec = FieldSpec(spec.type, spec.dtype, spec.ndim, spec.inner, True)
             specs.setdefault(name, []).append(spec)
-            fields[name] = fd
-        groups.append(RowGroup(rows, fields))
     if missed is not None:
-        for g in missed.groups:
-            groups.append(RowGroup(plan.misses[g.rows], g.fields))
         for name, spec in missed.specs.items():
             specs.setdefault(name, []).append(spec)
     order = list(field_order if field_order is not None else plan.field_order)
     order += [n for n in plan.field_order if n not in order] + [n for n in specs if n not in order]
-    unified = {n: unify_specs(specs[n], f"{where} field {n!r}") for n in order if n in specs}
+    return {n: unify_specs(specs[n], f"{where} field {n!r}") for n in order if n in specs}
+
+
+def assemble(plan: PartitionPlan, missed: PartitionRows | None = None,
+             field_order: Sequence[str] | None = None,
+             specs: Mapping[str, FieldSpec] | None = None) -> PartitionRows:
+    """The partition a plan describes, in the neutral form: captured runs (copied into one array per
+    field and group), plus ``missed`` (the rows at ``plan.misses``, read from TransferQueue, with
+    positions relative to those misses). ``specs``: the layouts to give it (default
+    :func:`plan_specs`; a window of a larger plan takes the whole plan's)."""
+    if specs is None:
+        specs = plan_specs(plan, missed, field_order)
+    groups: list[RowGroup] = []
+    for names, runs in _runs_by_fields(plan).items():
+        if not names:  # rows that hold no field are in no group, as TransferQueue's presence gives them
+            continue
+        rows = np.concatenate([np.arange(r.start, r.start + r.length, dtype=np.int64) for r in runs])
+        groups.append(RowGroup(rows, {
+            name: concat_fields([slice_field(r.segment.fields[name], r.segment.specs[name], r.row, r.row + r.length)
+                                 for r in runs], specs[name])
+            for name in names}))
+    if missed is not None:
+        groups.extend(RowGroup(plan.misses[g.rows], g.fields) for g in missed.groups)
     groups.sort(key=lambda g: int(g.rows[0]))
-    return PartitionRows(plan.partition_id, plan.keys, plan.tags, unified, groups)
+    return PartitionRows(plan.partition_id, plan.keys, plan.tags, dict(specs), groups)
 
 
-__all__ = ["COALESCE_ROWS", "DEFAULT_MAX_BYTES", "PartitionPlan", "assemble", "RowCapture", "Run", "Segment", "segment_bytes"]
+def plan_as_json(plan: PartitionPlan, missed: PartitionRows | None, specs: Mapping[str, FieldSpec]) -> dict[str, bool]:
+    """For each object field of ``specs``: whether its values are kept as JSON text (:func:`needs_json`)."""
+    out = {}
+    for name, spec in specs.items():
+        if spec.type != "object":
+            continue
+        values = [r.segment.fields[name].values[r.row:r.row + r.length] for r in plan.runs if name in r.segment.fields]
+        if missed is not None:
+            values += [g.fields[name].values for g in missed.groups if name in g.fields]
+        out[name] = needs_json(v for vs in values for v in vs)
+    return out
+
+
+def plan_source(plan: PartitionPlan, position: int, missed: PartitionRows | None = None,
+                field_order: Sequence[str] | None = None, window_rows: int = 65536,
+                window_bytes: int = 64 << 20) -> PartitionSource:
+    """The partition a plan describes as a :class:`PartitionSource`: its rows assembled window by window
+    (at most ``window_rows`` rows and about ``window_bytes`` of captured values each), so that writing
+    it holds one window's copy of the values, not the partition's. ``missed`` is held whole."""
+    specs = plan_specs(plan, missed, field_order)
+    n = len(plan.keys)
+    covered = sum(r.length for r in plan.runs)
+    captured = sum(r.segment.nbytes * r.length / max(len(r.segment.keys), 1) for r in plan.runs)
+    per_row = captured / covered if covered else 0.0
+    step = max(1, min(window_rows, int(window_bytes // per_row) if per_row else window_rows))
+
+    def windows() -> Iterator[PartitionRows]:
+        for start in range(0, n, step):
+            part = _window(plan, missed, start, min(n, start + step))
+            yield assemble(part[0], part[1], field_order, specs)
+
+    return PartitionSource(plan.partition_id, int(position), n, specs, plan_as_json(plan, missed, specs),
+                           frozenset().union(*plan.tags) if plan.tags else frozenset(), windows)
+
+
+def _window(plan: PartitionPlan, missed: PartitionRows | None, start: int,
+            stop: int) -> tuple[PartitionPlan, PartitionRows | None]:
+    """Listed positions ``[start, stop)`` of a plan (and of its misses' rows), renumbered from 0."""
+    run_starts = [r.start for r in plan.runs]
+    first = max(bisect.bisect_right(run_starts, start) - 1, 0)
+    runs = []
+    for r in plan.runs[first:]:
+        if r.start >= stop:
+            break
+        a, b = max(r.start, start), min(r.start + r.length, stop)
+        if a < b:
+            runs.append(Run(a - start, r.segment, r.row + (a - r.start), b - a))
+    m0, m1 = (int(i) for i in np.searchsorted(plan.misses, [start, stop]))
+    sub = PartitionPlan(plan.partition_id, plan.keys[start:stop], plan.tags[start:stop], tuple(runs),
+                        plan.misses[m0:m1] - start, plan.field_order)
+    if missed is None:
+        return sub, None
+    groups = []
+    for g in missed.groups:  # a group's rows are ascending positions among the misses
+        a, b = (int(i) for i in np.searchsorted(g.rows, [m0, m1]))
+        if a < b:
+            groups.append(RowGroup(g.rows[a:b] - m0, {name: slice_field(fd, missed.specs[name], a, b)
+                                                      for name, fd in g.fields.items()}))
+    return sub, PartitionRows(missed.partition_id, [], [], missed.specs, groups)
+
+
+__all__ = ["COALESCE_ROWS", "DEFAULT_MAX_BYTES", "PartitionPlan", "RowCapture", "Run", "Segment", "assemble",
+           "plan_as_json", "plan_source", "plan_specs", "segment_bytes"]

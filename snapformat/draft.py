@@ -77,6 +77,7 @@ class PartWriter:
                 data = [data]
             for item in data:
                 w.write(item)
+                del item  # a generator's next batch is built while this name still holds the last one
         return w.entry
 
     def write_records(self, name: str, kind: str, records: Iterable[Any], compress: str = "auto") -> FileEntry:

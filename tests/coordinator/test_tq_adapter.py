@@ -4,6 +4,7 @@ plus what only TQ has: torch dtypes such as bfloat16, TQ's dense/ragged flag, so
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,7 +23,9 @@ from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorStack
 
 from coordinator import DataPlaneChangedError, Objects, Ragged
+from schemas.errors import InvalidRecordError
 from coordinator import tq_adapter
+from coordinator.data_plane import write_cut
 from coordinator.tq_adapter import TQDataPlane
 from snapformat import verify_snapshot
 
@@ -319,7 +322,9 @@ def test_a_save_of_rows_the_adapter_put_reads_nothing_back_and_equals_reading_th
     _tables_equal(tq_plane.cut(), from_tq)
 
 
-def test_keys_put_by_another_producer_are_read_from_tq_between_captured_ones(tq_plane, tq_runtime) -> None:
+def _mixed_producers(tq_plane: TQDataPlane, complete: bool = False) -> None:
+    """Rows of the adapter and of another producer (which the capture misses) interleaved, one cleared;
+    the other producer's last two rows lack ``input_ids`` (which a training row needs) unless ``complete``."""
     h, other = AdapterHarness(tq_plane), TQHarness(tq_plane)
     rng = np.random.default_rng(3)
 
@@ -330,11 +335,56 @@ def test_keys_put_by_another_producer_are_read_from_tq_between_captured_ones(tq_
     h.put("train", ["a", "b"], batch(2), training_tags(2))
     other.put("train", ["c"], batch(1), training_tags(1, 2))
     h.put("train", ["d", "e", "f"], batch(3), training_tags(3, 3))
-    other.put("train", ["g", "h"], {"input_lengths": np.arange(2, dtype=np.int32)}, training_tags(2, 6))
+    other.put("train", ["g", "h"], batch(2) if complete else {"input_lengths": np.arange(2, dtype=np.int32)},
+              training_tags(2, 6))
     tq.kv_clear(keys=["e"], partition_id="train")  # a consumer removed one captured key
+
+
+def test_keys_put_by_another_producer_are_read_from_tq_between_captured_ones(tq_plane, tq_runtime) -> None:
+    _mixed_producers(tq_plane)
     cut = tq_plane.deferred_cut().materialize()
     assert cut.tables["training_rows"].column("key").to_pylist() == ["a", "b", "c", "d", "f", "g", "h"]
     _tables_equal(cut, _uncaptured(tq_runtime).cut())
+
+
+def test_a_save_writes_the_rows_window_by_window_and_they_are_the_rows_read_from_tq(
+        tq_plane, tq_runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from snapformat import SnapshotStore
+
+    _mixed_producers(tq_plane)
+    windows: list[int] = []
+    small = functools.partial(tq_adapter.plan_source, window_rows=2)  # several windows, misses among them
+
+    def counted(*a, **kw):
+        src = small(*a, **kw)
+        return dataclasses.replace(src, windows=lambda: (windows.append(len(w.keys)) or w for w in src.windows()))
+
+    monkeypatch.setattr(tq_adapter, "plan_source", counted)
+    store = SnapshotStore(str(tmp_path / "s"))
+    draft = store.begin()
+    with pytest.raises(InvalidRecordError, match=r"row 5 \(partition 'train', key 'g'\) has no field or tag 'input_ids'"):
+        tq_plane.deferred_cut().write(draft.part("tq", writer="tq"))  # g: the third window's second row
+    draft.abandon()
+    assert store.latest() is None
+    tq_plane.clear()
+    _mixed_producers(tq_plane, complete=True)
+    windows.clear()
+    draft = store.begin()
+    written = tq_plane.deferred_cut().write(draft.part("tq", writer="tq"))
+    draft.publish()
+    snap = store.latest()
+    assert windows == [2, 2, 2, 1] and dict(written.rows) == {"training_rows": 7, "token_capture_rows": 0}
+    other = SnapshotStore(str(tmp_path / "from-tq"))
+    draft = other.begin()
+    write_cut(_uncaptured(tq_runtime).cut(), draft.part("tq", writer="tq"))  # every row read out of TQ, whole
+    draft.publish()
+    expected = other.latest()
+    for kind in ("training_rows", "token_capture_rows"):
+        (entry,) = [e for e in snap.files() if e.kind == kind]
+        (theirs,) = [e for e in expected.files() if e.kind == kind]
+        assert snap.open_rows(entry).read_all().equals(expected.open_rows(theirs).read_all(), check_metadata=True)
 
 
 def test_captured_rows_removed_after_the_pause_still_reach_that_cut_and_are_dropped_by_the_next(

@@ -2,7 +2,8 @@
 
 A property test puts random batches (fields present in some puts and not others, dense and ragged
 rows, objects), removes random keys, then resolves a listing (TransferQueue's ``kv_list``: the live
-keys in order, some of them never captured) and checks every assembled row against a plain dict.
+keys in order, some of them never captured) and checks every assembled row against a plain dict,
+and that the table built window by window (as a save writes it) is the table built whole.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.data_plane import FieldData, FieldSpec, PartitionRows, RowGroup, field_data, rows_of, Ragged
-from coordinator import tq_capture
-from coordinator.tq_capture import RowCapture, assemble
+import pyarrow as pa
 
-FIELDS = ("ids", "score", "note")
+from coordinator.data_plane import (
+    TRAINING, FieldData, FieldSpec, PartitionRows, Ragged, RowGroup, build_table, field_data, rows_of, table_schema,
+    unify_specs, window_table,
+)
+from coordinator import tq_capture
+from coordinator.tq_capture import RowCapture, assemble, plan_source
+
+FIELDS = ("ids", "score", "note", "dense", "word")
 
 
 def _batch(rng: np.random.Generator, keys: list[str], names: list[str]) -> tuple[dict, dict, dict]:
@@ -33,6 +39,12 @@ def _batch(rng: np.random.Generator, keys: list[str], names: list[str]) -> tuple
         from coordinator.data_plane import Objects
 
         raw["note"] = Objects([{"i": int(rng.integers(0, 9))} for _ in range(n)])
+    if "dense" in names:  # a dense put: one length per put, so rows of different puts may differ
+        raw["dense"] = rng.integers(0, 9, (n, int(rng.integers(1, 3)))).astype(np.int64)
+    if "word" in names:  # objects kept as plain strings unless some put holds a non-string
+        from coordinator.data_plane import Objects
+
+        raw["word"] = Objects([f"w{j}" for j in range(n)] if rng.random() < 0.7 else list(range(n)))
     specs, data, model = {}, {}, {k: {} for k in keys}
     for name, value in raw.items():
         spec, values = rows_of(name, value, n)
@@ -61,13 +73,13 @@ def _rows(part: PartitionRows) -> dict[str, dict[str, Any]]:
 @settings(max_examples=60, deadline=None)
 @given(puts=st.lists(st.tuples(st.integers(1, 5), st.sets(st.sampled_from(FIELDS))), min_size=1, max_size=8),
        removed=st.sets(st.integers(0, 39)), uncaptured=st.sets(st.integers(0, 39)), seed=st.integers(0, 2**16),
-       coalesce=st.sampled_from([2, 3, 4096]))
-def test_a_planned_cut_assembles_exactly_the_rows_listed(puts, removed, uncaptured, seed, coalesce) -> None:
+       coalesce=st.sampled_from([2, 3, 4096]), window=st.integers(1, 7))
+def test_a_planned_cut_assembles_exactly_the_rows_listed(puts, removed, uncaptured, seed, coalesce, window) -> None:
     with mock.patch.object(tq_capture, "COALESCE_ROWS", coalesce):  # small: consecutive puts get merged
-        _check_planned_cut(puts, removed, uncaptured, seed)
+        _check_planned_cut(puts, removed, uncaptured, seed, window)
 
 
-def _check_planned_cut(puts, removed, uncaptured, seed) -> None:
+def _check_planned_cut(puts, removed, uncaptured, seed, window) -> None:
     rng = np.random.default_rng(seed)
     cap = RowCapture()
     model: dict[str, dict[str, Any]] = {}
@@ -94,7 +106,7 @@ def _check_planned_cut(puts, removed, uncaptured, seed) -> None:
         fields = {}
         for name in names:
             spec, values = rows_of(name, _model_value(name, [model[missed_keys[j]][name] for j in sel]), len(sel))
-            missed.specs[name] = spec
+            missed.specs[name] = unify_specs([spec, missed.specs.get(name, spec)], name)  # as the adapter reads them
             fields[name] = field_data(spec, values)
         missed.groups.append(RowGroup(sel, fields))
     part = assemble(plan, missed if missed_keys else None)
@@ -102,6 +114,25 @@ def _check_planned_cut(puts, removed, uncaptured, seed) -> None:
     assert _rows(part) == {k: model[k] for k in listed}
     for g in part.groups:  # a group's rows hold exactly its fields, in listing order
         assert list(g.rows) == sorted(g.rows)
+        for name, fd in g.fields.items():  # a dense field whose rows differ in length is ragged
+            if fd.offsets is not None and len(set(np.diff(fd.offsets).tolist())) > 1:
+                assert part.specs[name].nested, name
+    _check_windows(plan, missed if missed_keys else None, part, window)
+
+
+def _check_windows(plan, missed, part: PartitionRows, window: int) -> None:
+    """The plan built ``window`` rows at a time is the table built whole: same schema, layout
+    (dense become ragged, objects kept as JSON, decided over the whole partition) and values."""
+    whole = build_table(TRAINING, [part], [3])
+    src = plan_source(plan, 3, missed, window_rows=window)
+    schema = table_schema(TRAINING, [src])
+    assert schema.equals(whole.schema, check_metadata=True)
+    windows = list(src.windows())
+    assert all(len(w.keys) <= window for w in windows)
+    assert [k for w in windows for k in w.keys] == part.keys
+    built = [window_table(src, w, schema) for w in windows]
+    streamed = pa.concat_tables(built) if built else schema.empty_table()
+    assert streamed.equals(whole, check_metadata=True)
 
 
 def _model_value(name: str, values: list[Any]) -> Any:
@@ -111,6 +142,9 @@ def _model_value(name: str, values: list[Any]) -> Any:
         return Ragged([np.asarray(v, dtype=np.int32) for v in values])
     if name == "score":
         return np.asarray(values, dtype=np.float32)
+    if name == "dense":
+        rows = [np.asarray(v, dtype=np.int64) for v in values]
+        return np.stack(rows) if len({len(r) for r in rows}) == 1 else Ragged(rows)
     return Objects(values)
 
 
@@ -163,3 +197,42 @@ def test_a_restored_partition_is_kept_as_runs_of_rows_with_the_same_fields() -> 
     back = assemble(plan)
     assert _rows(back) == {"a": {"x": 1}, "b": {"x": 2}, "c": {"x": 3, "y": "c"}, "d": {}, "e": {"x": 5}}
     assert list(back.specs) == ["x", "y"]
+
+
+def test_a_save_holds_one_window_of_rows_at_a_time_and_writes_them_all(tmp_path, monkeypatch) -> None:
+    import gc
+    import weakref
+
+    from coordinator import data_plane
+    from coordinator.data_plane import write_sources
+    from snapformat import SnapshotStore
+
+    rng = np.random.default_rng(5)
+    cap = RowCapture()
+    listing = {}
+    for start in range(0, 40, 10):
+        keys = [f"k{start + j}" for j in range(10)]
+        specs, data, _ = _batch(rng, keys, ["ids", "score"])
+        specs["score"], data["score"] = FieldSpec("tensor", "int32", 0), FieldData(np.arange(10, dtype=np.int32))
+        rename = {"ids": "input_ids", "score": "input_lengths"}  # the columns a training row needs
+        cap.add("p", keys, {rename[n]: v for n, v in specs.items()}, {rename[n]: v for n, v in data.items()})
+        listing.update({k: {"rollout_id": k, "attempt_index": 0} for k in keys})
+    (plan,) = cap.resolve({"p": listing})
+    built = data_plane.window_table
+    alive: list[weakref.ref] = []
+
+    def watched(src, window, schema):
+        gc.collect()
+        assert not [r for r in alive if r() is not None], "an earlier window is still held"
+        alive.append(weakref.ref(window.groups[0].fields["input_ids"].values))  # the window's own copy
+        return built(src, window, schema)
+
+    monkeypatch.setattr(data_plane, "window_table", watched)
+    store = SnapshotStore(str(tmp_path / "s"))
+    draft = store.begin()
+    written = write_sources({TRAINING: [plan_source(plan, 0, window_rows=6)]}, draft.part("tq", writer="tq"))
+    draft.publish()
+    assert len(alive) == 7 and dict(written.rows) == {TRAINING: 40}
+    (entry,) = [e for e in store.latest().files() if e.kind == TRAINING]
+    table = store.latest().open_rows(entry).read_all()
+    assert table.column("key").to_pylist() == list(listing) and entry.batches == 7
