@@ -31,6 +31,7 @@ Loads read files just written (page cache warm, not dropped).
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import statistics
 import time
@@ -250,6 +251,7 @@ def run(config: dict[str, Any], quick: bool, scratch: Path, results: Path | None
 
     started = time.perf_counter()
     load_start = common.load_average()
+    _raise_tq_storage_timeout(log)
     tq_runtime(log)
     from coordinator.tq_adapter import TQDataPlane
 
@@ -288,6 +290,22 @@ def run(config: dict[str, Any], quick: bool, scratch: Path, results: Path | None
     if results is not None:
         result["plots"].append(str(plot(result, results)))
     return result
+
+
+#: TransferQueue's storage requests time out after 200 s by default (its ``TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT``):
+#: its own ``save_checkpoint`` of 1,000,000 ragged rows (2 GiB, one storage unit) took longer and failed with
+#: ZMQ's EAGAIN (2026-12-04, after 458 s). The benchmark gives it this long instead, so it can finish.
+TQ_STORAGE_TIMEOUT_S = 3600
+
+
+def _raise_tq_storage_timeout(log: Log) -> None:
+    """Give TQ's storage requests :data:`TQ_STORAGE_TIMEOUT_S` (read when its storage manager is built)."""
+    os.environ["TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT"] = str(TQ_STORAGE_TIMEOUT_S)
+    from coordinator import ray_runtime  # noqa: F401  (before ray: keeps every socket on 127.0.0.1)
+    from transfer_queue.storage.managers import simple_storage_manager
+
+    simple_storage_manager.TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT = TQ_STORAGE_TIMEOUT_S
+    log(f"tq: TransferQueue's storage request timeout raised to {TQ_STORAGE_TIMEOUT_S} s (default 200 s)")
 
 
 def _tq_version() -> str:
@@ -430,6 +448,9 @@ def markdown(r: dict[str, Any]) -> str:
         "(the adapter before the capture; run once per row count). TQ, save = `tq.save_checkpoint(dir)`: pickles "
         "the controller's state and the storage unit's per-row values (`su_*.pkl`), renames the folder into place; "
         "it does not fsync.",
+        f"- TransferQueue's storage request timeout (`TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT`, 200 s by default) is "
+        f"raised to {TQ_STORAGE_TIMEOUT_S} s: with the default, its own `save_checkpoint` of 1,000,000 ragged rows "
+        "failed (ZMQ EAGAIN after 458 s, 2026-12-04); the adapter's save needs no such setting.",
         "- Ours, load = TQ cleared, then `SnapshotStore(path).latest()` + `TQDataPlane.load(snap, \"tq\")` "
         "(checksum verified, rows parsed and kept by the adapter): it **returns** there, and a thread registers "
         "every key in TQ (in order, with its tag) and then puts the values with `kv_batch_put`; **TQ holds all** "

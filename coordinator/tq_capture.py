@@ -20,7 +20,9 @@ and every segment none of whose keys is listed any more.
 
 Memory: the values of every captured row, once (a segment whose keys are partly cleared is kept
 whole until all of them are). Past ``max_bytes`` new puts are not captured (logged once); their
-keys are read from TransferQueue at save time, as without a capture.
+keys are read from TransferQueue at save time, as without a capture. A save adds one window's copy
+(:func:`plan_source`: the plan's rows assembled a window at a time as they are written), not a copy
+of the cut.
 
 This module needs numpy only: no Ray, no torch.
 """
