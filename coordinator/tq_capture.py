@@ -348,19 +348,21 @@ def plan_source(plan: PartitionPlan, position: int, missed: PartitionRows | None
     per_row = captured / covered if covered else 0.0
     step = max(1, min(window_rows, int(window_bytes // per_row) if per_row else window_rows))
 
+    run_starts = [r.start for r in plan.runs]
+
     def windows() -> Iterator[PartitionRows]:
         for start in range(0, n, step):
-            part = _window(plan, missed, start, min(n, start + step))
-            yield assemble(part[0], part[1], field_order, specs)
+            sub, sub_missed = _window(plan, run_starts, missed, start, min(n, start + step))
+            yield assemble(sub, sub_missed, field_order, specs)
 
     return PartitionSource(plan.partition_id, int(position), n, specs, plan_as_json(plan, missed, specs),
                            frozenset().union(*plan.tags) if plan.tags else frozenset(), windows)
 
 
-def _window(plan: PartitionPlan, missed: PartitionRows | None, start: int,
+def _window(plan: PartitionPlan, run_starts: Sequence[int], missed: PartitionRows | None, start: int,
             stop: int) -> tuple[PartitionPlan, PartitionRows | None]:
-    """Listed positions ``[start, stop)`` of a plan (and of its misses' rows), renumbered from 0."""
-    run_starts = [r.start for r in plan.runs]
+    """Listed positions ``[start, stop)`` of a plan (and of its misses' rows), renumbered from 0.
+    ``run_starts``: each run's first listed position (ascending)."""
     first = max(bisect.bisect_right(run_starts, start) - 1, 0)
     runs = []
     for r in plan.runs[first:]:
