@@ -23,10 +23,10 @@ from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorStack
 
 from coordinator import DataPlaneChangedError, Objects, Ragged
-from schemas.errors import InvalidRecordError
 from coordinator import tq_adapter
 from coordinator.data_plane import write_cut
 from coordinator.tq_adapter import TQDataPlane
+from schemas.errors import InvalidRecordError
 from snapformat import verify_snapshot
 
 
@@ -359,7 +359,13 @@ def test_a_save_writes_the_rows_window_by_window_and_they_are_the_rows_read_from
 
     def counted(*a, **kw):
         src = small(*a, **kw)
-        return dataclasses.replace(src, windows=lambda: (windows.append(len(w.keys)) or w for w in src.windows()))
+
+        def seen():
+            for w in src.windows():
+                windows.append(len(w.keys))
+                yield w
+
+        return dataclasses.replace(src, windows=seen)
 
     monkeypatch.setattr(tq_adapter, "plan_source", counted)
     store = SnapshotStore(str(tmp_path / "s"))
