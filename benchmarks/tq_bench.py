@@ -190,7 +190,7 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
             assert snap is not None
             plane.load(snap, "tq")
             dt = time.perf_counter() - t0
-            progress = plane.wait_loaded()
+            progress = plane.wait_loaded(TQ_STORAGE_TIMEOUT_S)  # 1,000,000 rows take longer than the 300 s default
             done = time.perf_counter() - t0
             times[f"{OURS} {LOAD}"].append(dt)
             times[LOADED].append(done)
