@@ -466,12 +466,17 @@ def needs_json(values: Iterable[Any]) -> bool:
     return not all(type(v) is str for v in values)
 
 
+def tag_names(tags: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """Every name any of ``tags`` holds (a row-schema column of that name is filled from them)."""
+    return frozenset().union(*tags) if tags else frozenset()
+
+
 def whole_source(part: PartitionRows, position: int) -> PartitionSource:
     """A partition held whole as one window."""
     as_json = {name: needs_json(v for g in part.groups if name in g.fields for v in g.fields[name].values)
                for name, spec in part.specs.items() if spec.type == "object"}
     return PartitionSource(part.partition_id, int(position), len(part.keys), part.specs, as_json,
-                           frozenset().union(*part.tags) if part.tags else frozenset(), lambda: (part,))
+                           tag_names(part.tags), lambda: (part,))
 
 
 def table_schema(kind: str, sources: Sequence[PartitionSource]) -> pa.Schema:
@@ -1157,6 +1162,7 @@ __all__ = [
     "FieldData", "FieldSpec", "FILE_NAMES", "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows",
     "Ragged", "RowGroup", "TOKEN_CAPTURE", "TRAINING", "build_table", "check_json_value", "group_by_presence",
     "concat_fields", "field_data", "layout_of", "slice_field", "unify_specs", "parse_table", "rows_of", "write_cut",
-    "PartitionSource", "WrittenRows", "needs_json", "table_schema", "whole_source", "window_table", "write_sources",
+    "PartitionSource", "WrittenRows", "needs_json", "table_schema", "tag_names", "whole_source", "window_table",
+    "write_sources",
 ]
 

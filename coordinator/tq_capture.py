@@ -41,7 +41,7 @@ import numpy as np
 
 from coordinator.data_plane import (
     FieldData, FieldSpec, PartitionRows, PartitionSource, RowGroup, concat_fields, needs_json, slice_field,
-    unify_specs,
+    tag_names, unify_specs,
 )
 
 log = logging.getLogger("coordinator.tq_capture")
@@ -356,7 +356,7 @@ def plan_source(plan: PartitionPlan, position: int, missed: PartitionRows | None
             yield assemble(sub, sub_missed, field_order, specs)
 
     return PartitionSource(plan.partition_id, int(position), n, specs, plan_as_json(plan, missed, specs),
-                           frozenset().union(*plan.tags) if plan.tags else frozenset(), windows)
+                           tag_names(plan.tags), windows)
 
 
 def _window(plan: PartitionPlan, run_starts: Sequence[int], missed: PartitionRows | None, start: int,

@@ -20,8 +20,8 @@ from dataplane_contract import (
 
 from coordinator import InMemoryDataPlane, Objects, Ragged
 from coordinator.data_plane import (
-    TAGS_COLUMN, FieldSpec, PartitionRows, build_table, check_json_value, group_by_presence, layout_of,
-    parse_table,
+    TAGS_COLUMN, TRAINING, FieldData, FieldSpec, PartitionRows, RowGroup, build_table, check_json_value,
+    group_by_presence, layout_of, parse_table,
 )
 from schemas.errors import InvalidRecordError
 from snapformat import SnapshotStore, example
@@ -184,3 +184,18 @@ def test_dense_field_keeps_its_layout_in_memory() -> None:
     assert parts[0].specs["d"] == FieldSpec("tensor", "float32", 1, (), False)
     assert parts[0].specs["r"] == FieldSpec("tensor", "float64", 1, (), True)
     assert pa.types.is_list(plane.cut().tables["training_rows"].schema.field("d").type)
+
+
+def test_a_column_that_is_a_field_in_one_partition_and_a_tag_in_another_must_agree_on_its_type() -> None:
+    ids = FieldData(np.zeros(2, dtype=np.int32), np.array([0, 1, 2]))
+    as_field = PartitionRows("a", ["k0"], [{}], {"rollout_id": FieldSpec("tensor", "int64", 0),
+                                                 "input_ids": FieldSpec("tensor", "int32", 1)},
+                             [RowGroup(np.array([0]), {"rollout_id": FieldData(np.array([7])),
+                                                       "input_ids": FieldData(np.zeros(1, np.int32), np.array([0, 1]))})])
+    as_tag = PartitionRows("b", ["k0", "k1"], [{"rollout_id": "r0"}, {"rollout_id": "r1"}],
+                           {"input_ids": FieldSpec("tensor", "int32", 1)},
+                           [RowGroup(np.array([0, 1]), {"input_ids": ids})])
+    with pytest.raises(InvalidRecordError, match=r"partition 'a': field 'rollout_id' is int64, but partition 'b' "
+                                                 r"fills that column from its tag as string"):
+        build_table(TRAINING, [as_field, as_tag])
+    assert build_table(TRAINING, [as_tag]).column("rollout_id").to_pylist() == ["r0", "r1"]
