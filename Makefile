@@ -6,10 +6,12 @@ STORE ?= demo-store
 
 .PHONY: venv demo format-demo test bench schemas clean fuzz soak
 
-$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+$(BIN)/.installed: requirements.txt requirements-dev.txt requirements-gym-test.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip==25.3
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet -r requirements-gym-test.txt
+	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 

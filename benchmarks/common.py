@@ -5,10 +5,11 @@ snapshot's files, plots (matplotlib, Agg backend) and small formatting helpers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,9 @@ def tq_runtime(log: Log) -> Any:
     (``python -m benchmarks.run`` calls it at the end). If Ray is already initialised in this
     process (a test session that started it), TQ is attached to and the owner closes it."""
     global _RUNTIME
-    from coordinator import ray_runtime  # noqa: F401  (before ray: keeps every socket on 127.0.0.1)
-
     import ray
+
+    from coordinator import ray_runtime  # noqa: F401  (before ray: keeps every socket on 127.0.0.1)
 
     if _RUNTIME is not None or ray.is_initialized():
         import transfer_queue as tq
@@ -348,3 +349,19 @@ def x(r: float | None, digits: int = 2) -> str:
 
 def load_average() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
+
+
+@contextlib.contextmanager
+def aws_env(env: Mapping[str, str]) -> Iterator[None]:
+    """The AWS variables ``env`` (a test S3 server's ``env_vars()``: what ``s3://`` stores read) set
+    for the block, and the previous values restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

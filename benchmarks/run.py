@@ -8,8 +8,9 @@
 Sections: ``format``, ``s3``, ``gym``, and (issue 6) ``tq`` (the TQ adapter vs TransferQueue's own
 checkpoint), ``pause`` (the save pause vs rollouts and bytes), ``restore`` (restore vs a raw read),
 ``discovery`` (``latest()`` and ``snapformat show`` vs snapshots in the store), ``memory`` (peak RSS
-of saving and loading vs bytes). ``--size-gib`` and ``--repeats`` apply to ``format`` and ``s3``;
-the others have their own sizes (``--quick`` picks the small ones).
+of saving and loading vs bytes), ``token_store`` (``gymkit.token_store`` puts/s and freeze vs Gym's
+own token-capture file store, and per-put latency on SeaweedFS). ``--size-gib`` and ``--repeats``
+apply to ``format`` and ``s3``; the others have their own sizes (``--quick`` picks the small ones).
 
 Each section writes ``results/<section>.md`` (the committed report: machine, command, table) and
 ``results/<section>.json`` (every measured time; git-ignored); the issue-6 sections also write PNG
@@ -116,6 +117,14 @@ def _memory_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tup
     return memory_bench.markdown(result), result
 
 
+def _token_store_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import token_store_bench
+
+    result = token_store_bench.run(token_store_bench.QUICK if opts.quick else token_store_bench.FULL, opts.quick,
+                                   opts.scratch, say)
+    return token_store_bench.markdown(result), result
+
+
 #: name -> section runner; each returns (markdown body, JSON-able data). ``restore`` restores the
 #: snapshots ``pause`` published in this process (run alone, it takes the pause measurements first).
 SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[str, dict]]] = {
@@ -127,6 +136,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[
     "restore": _restore_section,
     "discovery": _discovery_section,
     "memory": _memory_section,
+    "token_store": _token_store_section,
 }
 
 

@@ -40,13 +40,15 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from benchmarks import common
+from benchmarks.format_bench import build_rows
 from schemas.controller import LoaderPlace
 from schemas.manifest import CommitRecord, Manifest, ParentRef
 from schemas.rows import TOKEN_CAPTURE_SCHEMA
@@ -54,7 +56,6 @@ from schemas.version import FORMAT_VERSION
 from snapformat import SnapshotStore, discovery, jsonl, layout
 from snapformat.checksum import checksum_bytes
 from snapformat.draft import SnapshotDraft
-from benchmarks.format_bench import build_rows
 from snapformat.retention import apply_retention
 from snapformat.store import s3 as s3_store
 from snapformat.testing import s3servers
@@ -105,21 +106,6 @@ def arrow_file_bytes(batches: list[pa.RecordBatch]) -> bytes:
         for b in batches:
             writer.write_batch(b)
     return sink.getvalue().to_pybytes()
-
-
-@contextlib.contextmanager
-def _aws_env(server: s3servers.S3Server) -> Iterator[None]:
-    """The AWS variables pointing at ``server`` (what ``SnapshotStore("s3://...")`` reads), restored after."""
-    saved = {k: os.environ.get(k) for k in server.env_vars()}
-    os.environ.update(server.env_vars())
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def plain_s3fs(server: s3servers.S3Server):
@@ -483,7 +469,7 @@ def run(size_gib: float, quick: bool, log: Log | None = None) -> dict:
     try:
         server.make_bucket(BUCKET)
         log(f"SeaweedFS at {server.endpoint}")
-        with _aws_env(server):
+        with common.aws_env(server.env_vars()):
             measured, checks = measure_transfers(server, data, batches, rows, cfg["repeats"], log)
             requests = measure_requests(batches, cfg["request_parts"], cfg["request_rows"], log)
             disc = measure_discovery(cfg["store_sizes"], cfg["fill"], cfg["latest_runs"], log)

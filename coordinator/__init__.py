@@ -6,12 +6,12 @@ Ray/TransferQueue start-up in :mod:`coordinator.ray_runtime`, imported only by w
 """
 
 from coordinator.data_plane import (
-    FILE_NAMES, TOKEN_CAPTURE, TRAINING, DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError,
+    DATAPLANE, FILE_NAMES, TOKEN_CAPTURE, TRAINING, DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError,
     DataPlaneNotEmptyError, FieldSpec, InMemoryDataPlane, LoadReport, Objects, Ragged, write_cut,
 )
 
 __all__ = [
-    "FILE_NAMES", "TOKEN_CAPTURE", "TRAINING", "DataPlane", "DataPlaneChangedError", "DataPlaneCut",
+    "DATAPLANE", "FILE_NAMES", "TOKEN_CAPTURE", "TRAINING", "DataPlane", "DataPlaneChangedError", "DataPlaneCut",
     "DataPlaneError", "DataPlaneNotEmptyError", "FieldSpec", "InMemoryDataPlane", "LoadReport", "Objects",
     "Ragged", "write_cut",
 ]

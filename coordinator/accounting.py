@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from coordinator.data_plane import TOKEN_CAPTURE, TRAINING
+from coordinator.data_plane import DATAPLANE, TOKEN_CAPTURE, TRAINING
 
 _RUN_COLUMNS = {"attempt_index", "capture_key", "row_tags"}
 
@@ -22,13 +22,13 @@ _RUN_COLUMNS = {"attempt_index", "capture_key", "row_tags"}
 def content(tables: dict[str, pa.Table]) -> dict[str, dict[str, dict[str, Any]]]:
     """``{row kind: {key: {column: value}}}`` without the columns that name a run."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for kind in (TRAINING, TOKEN_CAPTURE):
+    for kind in (TRAINING, TOKEN_CAPTURE, DATAPLANE):
         table = tables.get(kind)
         rows: dict[str, dict[str, Any]] = {}
         if table is not None:
             keep = [c for c in table.column_names if c not in _RUN_COLUMNS]
             for row in table.select(keep).to_pylist():
-                rows[row["key"]] = row
+                rows[f'{row["partition_id"]}/{row["key"]}'] = row  # keys are unique within a partition
         out[kind] = rows
     return out
 
@@ -38,7 +38,7 @@ def differences(a: dict[str, dict[str, dict[str, Any]]], b: dict[str, dict[str, 
     """Human-readable differences between two runs' final rows, as :func:`content` gives them
     (empty when they are equal)."""
     out: list[str] = []
-    for kind in (TRAINING, TOKEN_CAPTURE):
+    for kind in (TRAINING, TOKEN_CAPTURE, DATAPLANE):
         missing = sorted(set(a[kind]) - set(b[kind]))
         extra = sorted(set(b[kind]) - set(a[kind]))
         if missing:

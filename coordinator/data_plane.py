@@ -7,13 +7,14 @@ must be consistent) apart from writing the bytes (what may happen after Gym resu
 
 1. :meth:`DataPlane.cut`, called while the data plane's producers are held at the barrier: a
    consistent, immutable in-memory copy of every row, as one Arrow table per row kind
-   (``training_rows``, and ``token_capture_rows`` for partitions configured as such), plus the
-   list of partitions (empty ones included). Nothing written to the data plane after ``cut()``
-   returns can reach the snapshot.
+   (``training_rows``; ``token_capture_rows`` for partitions configured as such; ``dataplane_rows``
+   for partitions whose rows are neither, see :mod:`coordinator.row_kinds`), plus the list of
+   partitions (empty ones included). Nothing written to the data plane after ``cut()`` returns can
+   reach the snapshot.
 2. :func:`write_cut` (also :meth:`DataPlane.write_cut`), after the barrier is released: streams
    each table into the snapshot's part, one Arrow file per kind (``training.arrow``,
-   ``token_capture.arrow``), checked by snapformat's row rules. A data plane whose cut is only a
-   plan of rows it holds (TransferQueue's adapter) writes the same files with
+   ``token_capture.arrow``, ``dataplane.arrow``), checked by snapformat's row rules. A data plane
+   whose cut is only a plan of rows it holds (TransferQueue's adapter) writes the same files with
    :func:`write_sources` instead, building the table one window of rows at a time
    (:meth:`DeferredCut.write`), so that writing never holds a copy of the whole cut.
 3. :meth:`DataPlane.load`, on restore: reads those files back (checksums verified) into an empty
@@ -22,14 +23,16 @@ must be consistent) apart from writing the bytes (what may happen after Gym resu
 
 How rows map to the row schemas (``schemas.rows``): the columns ``key`` and ``partition_id`` are
 the data plane's key and partition; every field becomes a column of its own name (a field named
-like a required column fills it, cast to the canonical type when needed); a required column that
-is not a field is taken from the row's tag of the same name (``rollout_id``, ``attempt_index``);
-the tag itself is kept as JSON text in ``row_tags``. A per-row scalar is a scalar column, a per-row
-1-D tensor a ``list<T>`` column, a per-row ``[n, k, ...]`` tensor nested lists; a row that lacks a
-field holds null there. What Arrow cannot say by itself (the data plane's own dtype when the
-column was cast, bfloat16, dense versus ragged, object fields kept as JSON) is recorded per
-partition and field in the ``dataplane.layout`` metadata of the ``row_tags`` column, the one place
-snapformat's schema conformance keeps.
+like a required column fills it, cast to the canonical type when needed; in ``dataplane_rows`` a
+field whose name is reserved or taken by another type gets a column of its own, see
+:func:`coordinator.row_kinds.assign_columns`); a required column that is not a field is taken from
+the row's tag of the same name (``rollout_id``, ``attempt_index``); the tag itself is kept as JSON
+text in ``row_tags``. A per-row scalar is a scalar column, a per-row 1-D tensor a ``list<T>``
+column, a per-row ``[n, k, ...]`` tensor nested lists; a row that lacks a field holds null there.
+What Arrow cannot say by itself (the data plane's own dtype when the column was cast, bfloat16,
+dense versus ragged, object fields kept as JSON, a field's column when not its name) is recorded
+per partition and field in the ``dataplane.layout`` metadata of the ``row_tags`` column (SPEC
+§12.2a), which every row file keeps (:func:`_write_rows` says how, through snapformat's conformance).
 
 This module needs numpy and pyarrow only: no Ray, no torch.
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -51,22 +55,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from coordinator.row_kinds import (
+    COLUMN_KEY, DATAPLANE, FILE_NAMES, KEY_COLUMN, PARTITION_COLUMN, RESERVED_COLUMNS, TAGS_COLUMN, TOKEN_CAPTURE,
+    TRAINING, assign_columns, assign_kind, fields_every_row_holds, training_misfit,
+)
 from schemas.errors import InvalidRecordError, NotPublishedError, SnapshotError
 from schemas.manifest import FileEntry
 from schemas.rows import ROW_SCHEMAS
 
-TRAINING = "training_rows"
-TOKEN_CAPTURE = "token_capture_rows"
-
-KEY_COLUMN = "key"
-PARTITION_COLUMN = "partition_id"
-TAGS_COLUMN = "row_tags"
-RESERVED_COLUMNS = frozenset({KEY_COLUMN, PARTITION_COLUMN, TAGS_COLUMN})
 LAYOUT_KEY = b"dataplane.layout"
 LAYOUT_VERSION = 1
 
-#: The file each row kind is written to, under the part's prefix.
-FILE_NAMES: dict[str, str] = {TRAINING: "training.arrow", TOKEN_CAPTURE: "token_capture.arrow"}
+log = logging.getLogger("coordinator.data_plane")
 
 # dtype name (torch's spelling, without "torch.") -> (numpy dtype of the values, Arrow type of the column).
 # bfloat16 travels as float32 (every bfloat16 is exactly a float32): numeric, so a trainer reading the
@@ -360,7 +360,9 @@ def _field_from_column(arr: pa.Array, spec: FieldSpec, as_json: bool, where: str
                     f"{where}: inner lists must all have {spec.inner[level - 1]} values (a tensor is rectangular)")
         values = values.flatten()
     flat = _to_numpy(values, spec, where)
-    return FieldData(flat.reshape(-1, *spec.inner) if spec.ndim > 1 else flat, offsets)
+    # The row count, not -1: an inner dimension of 0 leaves nothing to infer it from.
+    total = int(offsets[-1]) if len(offsets) else 0
+    return FieldData(flat.reshape(total, *spec.inner) if spec.ndim > 1 else flat, offsets)
 
 
 def _to_numpy(arr: pa.Array, spec: FieldSpec, where: str) -> np.ndarray:
@@ -450,6 +452,9 @@ class PartitionSource:
     the whole partition, in the data plane's order), ``as_json`` (object fields kept as JSON text),
     ``tag_names`` (every tag name of its rows) and ``rows``. ``windows()`` gives the rows as
     consecutive :class:`PartitionRows` of its keys, in order, whose values follow ``specs``.
+    ``training_misfit`` says why its rows cannot be training rows (``None``: they can), which decides
+    its row kind (:func:`coordinator.row_kinds.assign_kind`) before any window is built; ``columns``
+    are the fields a ``dataplane_rows`` table stores under another name (set when the table is built).
     """
 
     partition_id: str
@@ -459,6 +464,12 @@ class PartitionSource:
     as_json: Mapping[str, bool]
     tag_names: frozenset[str]
     windows: Callable[[], Iterable[PartitionRows]]
+    training_misfit: str | None
+    columns: Mapping[str, str] = field(default_factory=dict)
+
+    def column(self, name: str) -> str:
+        """The column that holds field ``name``."""
+        return self.columns.get(name, name)
 
 
 def needs_json(values: Iterable[Any]) -> bool:
@@ -475,8 +486,18 @@ def whole_source(part: PartitionRows, position: int) -> PartitionSource:
     """A partition held whole as one window."""
     as_json = {name: needs_json(v for g in part.groups if name in g.fields for v in g.fields[name].values)
                for name, spec in part.specs.items() if spec.type == "object"}
+    full = fields_every_row_holds(((g.fields, len(g.rows)) for g in part.groups), len(part.keys))
     return PartitionSource(part.partition_id, int(position), len(part.keys), part.specs, as_json,
-                           tag_names(part.tags), lambda: (part,))
+                           tag_names(part.tags), lambda: (part,), training_misfit(part.specs, full, part.tags))
+
+
+def with_columns(kind: str, sources: Sequence[PartitionSource]) -> list[PartitionSource]:
+    """``sources`` as a table of ``kind`` stores them: in ``dataplane_rows``, with the columns of the
+    fields that cannot keep their own name (:func:`coordinator.row_kinds.assign_columns`)."""
+    if kind != DATAPLANE:
+        return list(sources)
+    moved = assign_columns([(s.partition_id, s.specs) for s in sources])
+    return [dataclasses.replace(s, columns=m) for s, m in zip(sources, moved)]
 
 
 def table_schema(kind: str, sources: Sequence[PartitionSource]) -> pa.Schema:
@@ -491,18 +512,18 @@ def table_schema(kind: str, sources: Sequence[PartitionSource]) -> pa.Schema:
     layout_parts = []
     for src in sources:
         where = f"partition {src.partition_id!r}"
-        clash = RESERVED_COLUMNS & set(src.specs)
+        clash = RESERVED_COLUMNS & {src.column(name) for name in src.specs}
         if clash:
             raise InvalidRecordError(f"{where}: field name {sorted(clash)[0]!r} is reserved for the row table")
         for name, spec in src.specs.items():
             arrow_t = spec.arrow_type()
-            prev = types.setdefault(name, (arrow_t, src.partition_id))
+            prev = types.setdefault(src.column(name), (arrow_t, src.partition_id))
             if prev[0] != arrow_t:
                 raise InvalidRecordError(
                     f"{where}: field {name!r} is {arrow_t} here but {prev[0]} in partition {prev[1]!r}; "
                     "one column of a row table cannot hold both")
         layout_parts.append({"id": src.partition_id, "position": src.position, "fields": {
-            name: spec.to_json(src.as_json.get(name, False)) for name, spec in src.specs.items()}})
+            name: _field_layout(src, name, spec) for name, spec in src.specs.items()}})
     for f in schema:
         if f.name in RESERVED_COLUMNS or f.name not in types:
             continue
@@ -518,8 +539,19 @@ def table_schema(kind: str, sources: Sequence[PartitionSource]) -> pa.Schema:
     names += sorted(n for n in types if n not in names)
     fields = [pa.field(n, pa.string() if n in RESERVED_COLUMNS else types[n][0] if n in types
                        else schema.field(n).type) for n in names]
-    fields.append(pa.field(TAGS_COLUMN, pa.string(), metadata={LAYOUT_KEY: layout.encode()}))
+    tags = pa.field(TAGS_COLUMN, pa.string(), metadata={LAYOUT_KEY: layout.encode()})
+    # Where the row schema places row_tags (dataplane_rows: third), else last (an extra column).
+    at = schema.get_field_index(TAGS_COLUMN)
+    fields.insert(at if at >= 0 else len(fields), tags)
     return pa.schema(fields, metadata=schema.metadata)
+
+
+def _field_layout(src: PartitionSource, name: str, spec: FieldSpec) -> dict[str, Any]:
+    """A field's layout entry: its spec, and its column when that is not its name."""
+    entry = spec.to_json(src.as_json.get(name, False))
+    if src.column(name) != name:
+        entry[COLUMN_KEY] = src.column(name)
+    return entry
 
 
 def window_table(src: PartitionSource, window: PartitionRows, schema: pa.Schema) -> pa.Table:
@@ -544,6 +576,7 @@ def window_table(src: PartitionSource, window: PartitionRows, schema: pa.Schema)
                 column = _tensor_column(fd, spec, len(group.rows), fwhere)
             chunks[name].append((group.rows, column))
     arrays = []
+    field_of = {src.column(name): name for name in src.specs}
     for f in schema:
         if f.name == KEY_COLUMN:
             arrays.append(pa.array(window.keys, type=pa.string()))
@@ -551,8 +584,8 @@ def window_table(src: PartitionSource, window: PartitionRows, schema: pa.Schema)
             arrays.append(pa.array([src.partition_id] * n, type=pa.string()))
         elif f.name == TAGS_COLUMN:
             arrays.append(pa.array(json_texts(window.tags, f"{where} tags"), type=pa.string()))
-        elif f.name in src.specs:
-            arrays.append(_spread(chunks[f.name], n, f.type))
+        elif f.name in field_of:
+            arrays.append(_spread(chunks[field_of[f.name]], n, f.type))
         elif f.name in src.tag_names:  # a row-schema column that is not a field: the tag of that name
             try:
                 arrays.append(pa.array([t.get(f.name) for t in window.tags], type=f.type))
@@ -572,7 +605,12 @@ def build_table(kind: str, partitions: Sequence[PartitionRows], positions: Seque
     """
     if positions is None:
         positions = range(len(partitions))
-    sources = [whole_source(p, pos) for p, pos in zip(partitions, positions)]
+    return sources_table(kind, [whole_source(p, pos) for p, pos in zip(partitions, positions)])
+
+
+def sources_table(kind: str, sources: Sequence[PartitionSource]) -> pa.Table:
+    """One table of ``kind`` holding every row of ``sources``, built whole."""
+    sources = with_columns(kind, sources)
     schema = table_schema(kind, sources)
     tables = [window_table(s, w, schema) for s in sources for w in s.windows()]
     return pa.concat_tables(tables) if tables else schema.empty_table()
@@ -637,6 +675,7 @@ def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
             order.append(p)
         rows_of[p].append(i)
     specs_of: dict[str, dict[str, tuple[FieldSpec, bool]]] = {}
+    columns_of: dict[str, dict[str, str]] = {}  # partition -> field -> its column, where not its name
     positions: dict[str, int] = {}
     if layout is not None:
         if layout.get("version") != LAYOUT_VERSION:
@@ -649,6 +688,12 @@ def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
                 positions[pid] = int(entry["position"])
             specs_of[pid] = {name: FieldSpec.from_json(d, f"{where} partition {pid!r} field {name!r}")
                              for name, d in entry["fields"].items()}
+            columns_of[pid] = {name: str(d[COLUMN_KEY]) for name, d in entry["fields"].items()
+                               if isinstance(d, Mapping) and COLUMN_KEY in d}
+            reserved = sorted(RESERVED_COLUMNS & set(columns_of[pid].values()))
+            if reserved:
+                raise InvalidRecordError(
+                    f"{where}: partition {pid!r}: a field cannot be stored in column {reserved[0]!r}")
         extra = [p for p in order if p not in specs_of]
         if extra:
             raise InvalidRecordError(f"{where}: rows of partition {extra[0]!r}, which the layout does not list")
@@ -674,9 +719,12 @@ def parse_table(table: pa.Table, where: str) -> list[PartitionRows]:
             taken = {}
             presence = {}
             for name in specs:
-                if name not in table.column_names:
-                    raise InvalidRecordError(f"{where}: layout names field {name!r} but the table has no such column")
-                col = table.column(name)
+                column = columns_of.get(pid, {}).get(name, name)
+                if column not in table.column_names:
+                    raise InvalidRecordError(
+                        f"{where}: layout names field {name!r} of partition {pid!r} in column {column!r}, "
+                        "but the table has no such column")
+                col = table.column(column)
                 # A partition written by build_table is one run of rows: a slice shares the buffers,
                 # where take would copy every value (most of a large restore's time).
                 col = col.slice(int(idx[0]), len(idx)) if contiguous else col.take(pa.array(idx))
@@ -815,6 +863,7 @@ def write_sources(sources: Mapping[str, Sequence[PartitionSource]], part, compre
     tally = _Tally()
     for kind, srcs in sources.items():
         tally.rows = 0
+        srcs = with_columns(kind, srcs)
         batches = _window_batches(kind, srcs, table_schema(kind, srcs), batch_rows, tally)
         entries.append(part.write_rows(FILE_NAMES[kind], kind, batches, compression=compression))
         rows[kind] = tally.rows
@@ -862,8 +911,9 @@ class DataPlane(ABC):
     """A store of rows the coordinator snapshots and restores (see the module docstring).
 
     ``token_capture_partitions`` says which partitions hold token-capture rows (a set of ids or a
-    predicate); their rows go to ``token_capture_rows``, every other partition's to
-    ``training_rows``. Implementations provide :meth:`cut`, :meth:`clear`, :meth:`is_empty` and
+    predicate); their rows go to ``token_capture_rows``. Every other partition's go to
+    ``training_rows`` when they fit it, else to ``dataplane_rows`` (:mod:`coordinator.row_kinds`).
+    Implementations provide :meth:`cut`, :meth:`clear`, :meth:`is_empty` and
     :meth:`restore_partitions`; writing and loading are shared.
     """
 
@@ -878,11 +928,33 @@ class DataPlane(ABC):
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The row kinds every cut of this data plane has a table for."""
+        """The row kinds every cut of this data plane has a table for (``dataplane_rows`` is added
+        only to a cut that has a partition of that kind, so that other snapshots stay 1.0-readable)."""
         return (TRAINING,) if self._is_token is None else (TRAINING, TOKEN_CAPTURE)
 
+    def is_token(self, partition_id: str) -> bool:
+        """Whether ``partition_id`` is configured to hold token-capture rows."""
+        return self._is_token is not None and bool(self._is_token(partition_id))
+
     def kind_of(self, partition_id: str) -> str:
-        return TOKEN_CAPTURE if self._is_token is not None and self._is_token(partition_id) else TRAINING
+        """The configured kind: ``token_capture_rows`` or not (``training_rows``, which a partition
+        whose rows do not fit it trades for ``dataplane_rows``: see :meth:`kind_for`)."""
+        return TOKEN_CAPTURE if self.is_token(partition_id) else TRAINING
+
+    def kind_for(self, source: PartitionSource) -> str:
+        """The row kind ``source``'s partition is written as (:func:`coordinator.row_kinds.assign_kind`)."""
+        kind = assign_kind(self.is_token(source.partition_id), source.training_misfit)
+        if kind == DATAPLANE:
+            log.debug("partition %r is kept as %s: %s", source.partition_id, DATAPLANE, source.training_misfit)
+        return kind
+
+    def sources_by_kind(self, sources: Iterable[PartitionSource]) -> dict[str, list[PartitionSource]]:
+        """``sources`` grouped by the row kind each is written as: every kind of :attr:`kinds` (even
+        with none), then ``dataplane_rows`` if any partition is of that kind."""
+        by_kind: dict[str, list[PartitionSource]] = {kind: [] for kind in self.kinds}
+        for src in sources:
+            by_kind.setdefault(self.kind_for(src), []).append(src)
+        return by_kind
 
     @abstractmethod
     def put(self, partition_id: str, keys: Sequence[str], fields: Mapping[str, Any] | None = None,
@@ -916,11 +988,8 @@ class DataPlane(ABC):
         return write_cut(cut, part, compression)
 
     def _make_cut(self, partitions: Sequence[PartitionRows], started: float, taken_at: float) -> DataPlaneCut:
-        by_kind: dict[str, list[tuple[int, PartitionRows]]] = {kind: [] for kind in self.kinds}
-        for i, p in enumerate(partitions):
-            by_kind[self.kind_of(p.partition_id)].append((i, p))
-        tables = {kind: build_table(kind, [p for _, p in parts], [i for i, _ in parts])
-                  for kind, parts in by_kind.items()}
+        by_kind = self.sources_by_kind(whole_source(p, i) for i, p in enumerate(partitions))
+        tables = {kind: sources_table(kind, sources) for kind, sources in by_kind.items()}
         return DataPlaneCut(MappingProxyType(tables), tuple(p.partition_id for p in partitions), taken_at,
                             time.perf_counter() - started)
 
@@ -947,10 +1016,11 @@ class DataPlane(ABC):
             for p in parse_table(table, where):
                 if p.partition_id in seen:
                     raise InvalidRecordError(f"{where}: partition {p.partition_id!r} is also in another row file")
-                if self.kind_of(p.partition_id) != entry.kind:
+                if self.is_token(p.partition_id) != (entry.kind == TOKEN_CAPTURE):
+                    kept = TOKEN_CAPTURE if self.is_token(p.partition_id) else f"{TRAINING} or {DATAPLANE}"
                     raise InvalidRecordError(
                         f"{where}: partition {p.partition_id!r} was saved as {entry.kind}, but this data plane "
-                        f"keeps it as {self.kind_of(p.partition_id)}")
+                        f"keeps it as {kept}")
                 seen.add(p.partition_id)
                 partitions.append(p)
             rows[entry.kind] = rows.get(entry.kind, 0) + table.num_rows
@@ -1157,8 +1227,8 @@ def _split(spec: FieldSpec, fd: FieldData) -> list[Any]:
 
 
 __all__ = [
-    "DataPlane", "DataPlaneChangedError", "DataPlaneCut", "DataPlaneError", "DataPlaneNotEmptyError", "DeferredCut",
-    "ReadyCut",
+    "DATAPLANE", "DataPlane", "DataPlaneChangedError", "DataPlaneCut", "DataPlaneError", "DataPlaneNotEmptyError",
+    "DeferredCut", "ReadyCut", "sources_table", "with_columns",
     "FieldData", "FieldSpec", "FILE_NAMES", "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows",
     "Ragged", "RowGroup", "TOKEN_CAPTURE", "TRAINING", "build_table", "check_json_value", "group_by_presence",
     "concat_fields", "field_data", "layout_of", "slice_field", "unify_specs", "parse_table", "rows_of", "write_cut",

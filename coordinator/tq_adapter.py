@@ -9,8 +9,10 @@ How TQ's rows map to the row tables (see :mod:`coordinator.data_plane` for the t
   tensor a ``list<T>`` column whose layout says "dense"; a non-tensor field is a string column
   (JSON text unless every value is a string). Fields TQ's schema does not know are kept as extra
   columns, so nothing is lost. A key that lacks a field (not produced yet) has null there;
-- partitions named in ``token_capture_partitions`` go to ``token_capture_rows``, the rest to
-  ``training_rows``.
+- partitions named in ``token_capture_partitions`` go to ``token_capture_rows``; the rest to
+  ``training_rows`` when every row carries what a training row needs, else (NeMo-RL's token-capture
+  staging rows, a partition still being filled, anything else) to ``dataplane_rows``, kept as they
+  are (:mod:`coordinator.row_kinds`).
 
 Reading uses TQ's public KV API plus three calls of its client that 0.1.11 does not export
 (``_get_partition_meta`` for the field schema and ``_clear_partition_in_controller`` to remove an
@@ -47,7 +49,7 @@ from tensordict import TensorDict  # noqa: E402
 
 from coordinator.data_plane import (  # noqa: E402
     DataPlane, DataPlaneChangedError, DataPlaneCut, DataPlaneError, DeferredCut, FieldData, FieldSpec, InvalidRecordError,
-    PartitionRows, PartitionSource, RowGroup, WrittenRows, concat_fields, field_data, group_by_presence, rows_of,
+    PartitionRows, RowGroup, WrittenRows, concat_fields, field_data, group_by_presence, rows_of,
     slice_field, unify_specs, write_sources,
 )
 from coordinator.tq_capture import DEFAULT_MAX_BYTES, PartitionPlan, RowCapture, assemble, plan_source  # noqa: E402
@@ -501,9 +503,8 @@ class _PlannedCut(DeferredCut):
         kept rows are copied one window at a time as they are written; the misses, read from TQ
         first, are held whole until their partition is written."""
         read = self._read_misses()
-        sources: dict[str, list[PartitionSource]] = {kind: [] for kind in self._plane.kinds}
-        for position, (plan, (missed, order)) in enumerate(zip(self._plans, read)):
-            sources[self._plane.kind_of(plan.partition_id)].append(plan_source(plan, position, missed, order))
+        sources = self._plane.sources_by_kind(plan_source(plan, position, missed, order)
+                                              for position, (plan, (missed, order)) in enumerate(zip(self._plans, read)))
         return write_sources(sources, part, compression)
 
     def _read_misses(self) -> list[tuple[PartitionRows | None, list[str] | None]]:

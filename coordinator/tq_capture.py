@@ -43,6 +43,7 @@ from coordinator.data_plane import (
     FieldData, FieldSpec, PartitionRows, PartitionSource, RowGroup, concat_fields, needs_json, slice_field,
     tag_names, unify_specs,
 )
+from coordinator.row_kinds import fields_every_row_holds, training_misfit
 
 log = logging.getLogger("coordinator.tq_capture")
 
@@ -355,8 +356,18 @@ def plan_source(plan: PartitionPlan, position: int, missed: PartitionRows | None
             sub, sub_missed = _window(plan, run_starts, missed, start, min(n, start + step))
             yield assemble(sub, sub_missed, field_order, specs)
 
+    misfit = training_misfit(specs, plan_full_fields(plan, missed), plan.tags)
     return PartitionSource(plan.partition_id, int(position), n, specs, plan_as_json(plan, missed, specs),
-                           tag_names(plan.tags), windows)
+                           tag_names(plan.tags), windows, misfit)
+
+
+def plan_full_fields(plan: PartitionPlan, missed: PartitionRows | None = None) -> frozenset[str]:
+    """The fields every listed row of a plan holds (its runs' and its misses'), from the runs alone:
+    which table the partition goes to is known before any value is copied."""
+    held = [(r.segment.specs, r.length) for r in plan.runs]
+    if missed is not None:
+        held += [(g.fields, len(g.rows)) for g in missed.groups]
+    return fields_every_row_holds(held, len(plan.keys))
 
 
 def _window(plan: PartitionPlan, run_starts: Sequence[int], missed: PartitionRows | None, start: int,
@@ -386,4 +397,4 @@ def _window(plan: PartitionPlan, run_starts: Sequence[int], missed: PartitionRow
 
 
 __all__ = ["COALESCE_ROWS", "DEFAULT_MAX_BYTES", "PartitionPlan", "RowCapture", "Run", "Segment", "assemble",
-           "plan_as_json", "plan_source", "plan_specs", "segment_bytes"]
+           "plan_as_json", "plan_full_fields", "plan_source", "plan_specs", "segment_bytes"]

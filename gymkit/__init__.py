@@ -8,5 +8,6 @@ location it is given at commit (never outside it).
 
 from gymkit.control_plane import ControlPlane, ControlRefused
 from gymkit.participant import Participant
+from gymkit.token_store import TokenStore as TokenStore  # Gym's TokenSink and TokenSource over a snapformat store
 
 __all__ = ["ControlPlane", "ControlRefused", "Participant"]

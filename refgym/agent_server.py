@@ -227,7 +227,7 @@ class AgentParticipant(Participant):
                                   last_committed_model_call_id=r.last_call,
                                   resource_state_revisions=({r.resource: r.revisions["notes"]}
                                                             if r.resource and "notes" in r.revisions else None))
-            for r in parked])
+            for r in parked if r.last_call is not None])  # Gym writes a line only after a first call
         part.write_records("agent_state", "agent_state", [
             AgentStateRecord(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=r.capture_key,
                              status="parked" if r.outcome == "running" else "finished_unacked",
@@ -469,7 +469,8 @@ def _load_rollouts(snapshot: Snapshot, prefix: str) -> dict[str, Rollout]:
     """Rollouts from an agent part: unfinished ones as attempt n+1, finished ones as results.
 
     Every unfinished rollout's state must agree with its continuation line (same attempt and
-    capture key, and the continuation's last committed call is the last call of the trajectory).
+    capture key, and the continuation's last committed call is the last call of the trajectory); a
+    rollout parked before its first model call has no line, as Gym writes none for it.
     """
     continuations: dict[str, AgentContinuationRoot] = {}
     for c in part_records(snapshot, prefix, "continuations"):
@@ -492,10 +493,14 @@ def _load_rollouts(snapshot: Snapshot, prefix: str) -> dict[str, Rollout]:
                     revisions=dict(st.revisions), resource=st.resource, outcome=st.outcome, error=st.error)
         if rec.status == "parked":
             c = continuations.pop(rec.rollout_id, None)
-            if c is None or (c.attempt_index, c.capture_key) != (rec.attempt_index, rec.capture_key):
+            if c is None and r.last_call is not None:
                 raise InvalidRecordError(
-                    f"{where}: parked, but no continuation of attempt {rec.attempt_index} names it")
-            if c.last_committed_model_call_id != r.last_call:
+                    f"{where}: parked after call {r.last_call!r}, but no continuation of attempt "
+                    f"{rec.attempt_index} names it")
+            if c is not None and (c.attempt_index, c.capture_key) != (rec.attempt_index, rec.capture_key):
+                raise InvalidRecordError(
+                    f"{where}: parked, but its continuation is of {c.capture_key!r} (attempt {c.attempt_index})")
+            if c is not None and c.last_committed_model_call_id != r.last_call:
                 raise InvalidRecordError(f"{where}: continuation says last committed call "
                                          f"{c.last_committed_model_call_id!r}, the trajectory ends at {r.last_call!r}")
             r.outcome = "running"

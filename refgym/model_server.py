@@ -1,8 +1,8 @@
 """The reference policy model server: a deterministic model, its ledger, and its part of a snapshot.
 
 ``POST /v1/responses`` answers one model call with token ids and log probs that depend only on
-(model seed, prompt token ids) and records it in the model ledger (a token-capture row plus a
-:class:`ModelLedgerEntry`). While a checkpoint holds the server (pause, commit, restore) new calls
+(model seed, prompt token ids) and records it in the model ledger (Gym's TokenEntry, stamped with
+Gym's lineage, plus a :class:`ModelLedgerEntry`). While a checkpoint holds the server (pause, commit, restore) new calls
 get 503; pause returns once no call is in flight. ``--slow-ms`` makes every call take that long, so
 tests can catch calls in flight.
 
@@ -15,7 +15,10 @@ old runs: a restored rollout continues as attempt n+1, so new calls of attempts 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -23,13 +26,15 @@ import pyarrow as pa
 from fastapi import FastAPI, Request, Response
 
 from gymkit import ControlPlane, ControlRefused, Participant
+from gymkit.token_store import TokenStore
 from schemas.control import Capabilities
 from schemas.gym_records import AgentContinuationRoot, ModelLedgerEntry, TokenIndexEntry
 from schemas.errors import CorruptSnapshotError, InvalidRecordError
 from schemas.identity import capture_key
-from schemas.rows import TOKEN_CAPTURE_SCHEMA
+from schemas.token_entry import TOKEN_ENTRY_SCHEMA_VERSION, token_digest
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
+from snapformat.token_rows import batch_entries, entries_batch
 from refgym import rules
 from refgym.inflight import InFlight
 from refgym.api import (
@@ -37,27 +42,32 @@ from refgym.api import (
 )
 from refgym.parts import draft_records, invalid_records_refused, part_files, part_records
 
+log = logging.getLogger(__name__)
+
 TOKENS_FILE = "tokens.arrow"
+#: Gym's wire string for a parent the request named but that could not be proven (records.py).
+UNRESOLVED_PARENT_REASON = "unresolved_parent"
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True):
-    """One recorded model call: its ledger entry and its token-capture row (column -> value)."""
+    """One recorded model call: its ledger entry and its token record (Gym's TokenEntry JSON)."""
 
     entry: ModelLedgerEntry
-    row: dict[str, Any]
+    token: dict[str, Any]
 
     def reply(self, replayed: bool = False) -> ModelReply:
-        r = self.row
-        return ModelReply(response_id=r["response_id"], model=r["model"], capture_key=r["capture_key"],
-                          model_call_id=r["model_call_id"], generation_token_ids=r["generation_token_ids"],
-                          generation_log_probs=r["generation_log_probs"], cum_len=r["cum_len"], digest=r["digest"],
-                          parent_resolution=r["parent_resolution"], replayed=replayed)
+        t = self.token
+        return ModelReply(response_id=t["response_id"], model=t["model"], capture_key=t["rollout_id"],
+                          model_call_id=t["model_call_id"], generation_token_ids=t["generation_token_ids"],
+                          generation_log_probs=t["generation_log_probs"], cum_len=t["cum_len"], digest=t["digest"],
+                          parent_resolution=t["parent_resolution"], replayed=replayed)
 
 
 class ModelParticipant(Participant):
     """The model server's state (its ledger) and its side of the checkpoint protocol."""
 
-    def __init__(self, name: str, seed: int, slow_ms: int = 0, commit_delay_ms: int = 0) -> None:
+    def __init__(self, name: str, seed: int, slow_ms: int = 0, commit_delay_ms: int = 0,
+                 token_store: TokenStore | None = None) -> None:
         self.name = name
         self.seed = seed
         self.model = f"refgym-policy-seed{seed}"
@@ -67,6 +77,7 @@ class ModelParticipant(Participant):
         self.calls: dict[tuple[str, str], Call] = {}  # (capture_key, model_call_id) -> call
         self.closed_attempts: dict[str, int] = {}  # rollout_id -> highest attempt closed by restore
         self._calls = InFlight()
+        self.token_store = token_store  # where each call's TokenEntry is captured, as Gym's TokenSink
 
     # -- the protocol ------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -90,11 +101,9 @@ class ModelParticipant(Participant):
         assert part is not None
         continuations = self._continuations(context)
         calls = self._committed_calls(continuations)
-        rows = [c.row for c in calls]
         tokens_path = f"{part.prefix}/{TOKENS_FILE}"
-        if rows:
-            part.write_rows(TOKENS_FILE, "token_capture_rows",
-                            pa.RecordBatch.from_pylist(rows, schema=TOKEN_CAPTURE_SCHEMA))
+        if calls:
+            part.write_rows(TOKENS_FILE, "token_capture_rows", entries_batch([c.token for c in calls], tokens_path))
         else:
             part.write_rows(TOKENS_FILE, "token_capture_rows", [])
         if self.commit_delay_s:
@@ -132,8 +141,6 @@ class ModelParticipant(Participant):
         """Each parked rollout's lineage up to its last committed call, in a stable order."""
         chosen: dict[tuple[str, str], Call] = {}
         for c in continuations:
-            if c.last_committed_model_call_id is None:
-                continue  # parked before its first model call: nothing to keep
             last = self._find(c.rollout_id, c.last_committed_model_call_id, c.attempt_index)
             if last is None:
                 raise ControlRefused(409, "invalid_record",
@@ -175,15 +182,15 @@ class ModelParticipant(Participant):
             reader = readers.get(ix.file)
             if reader is None:
                 raise InvalidRecordError(f"{snapshot.url}: token index names {ix.file!r}, not a token part of {prefix}")
+            where = f"{snapshot.url}: {ix.file}#{ix.batch}:{ix.row_start}"
             try:
-                rows = reader.get_batch(ix.batch).slice(ix.row_start, ix.row_count).to_pylist()
+                tokens = batch_entries(reader.get_batch(ix.batch).slice(ix.row_start, ix.row_count), where)
             except (IndexError, pa.ArrowInvalid) as exc:
                 raise CorruptSnapshotError(
                     f"{snapshot.url}: token index entry for {key} is out of range: {exc}") from None
-            if len(rows) != 1 or (rows[0]["capture_key"], rows[0]["model_call_id"]) != key:
-                raise InvalidRecordError(
-                    f"{snapshot.url}: token rows at {ix.file}#{ix.batch}:{ix.row_start} are not call {key}")
-            calls[key] = Call(entry=e, row=rows[0])
+            if len(tokens) != 1 or (tokens[0]["rollout_id"], tokens[0]["model_call_id"]) != key:
+                raise InvalidRecordError(f"{where}: token rows are not call {key}")
+            calls[key] = Call(entry=e, token=tokens[0])
         return calls
 
     # -- the model ------------------------------------------------------------------------------
@@ -201,9 +208,8 @@ class ModelParticipant(Participant):
         assert self.plane is not None
         if self.plane.phase != "idle":
             raise paused("model call")
-        digest = rules.token_digest(req.prompt_token_ids)
         if (known := self.calls.get((key, req.model_call_id))) is not None:
-            return self._replay(known, req, digest)
+            return self._replay(known, req)
         closed = self.closed_attempts.get(req.rollout_id)
         if closed is not None and req.attempt_index <= closed:
             raise ApiRefused(409, "run_closed", f"run {key!r} was closed by a restore; {req.rollout_id!r} continues "
@@ -212,40 +218,63 @@ class ModelParticipant(Participant):
             if self.slow_s:
                 await asyncio.sleep(self.slow_s)
             if (known := self.calls.get((key, req.model_call_id))) is not None:
-                return self._replay(known, req, digest)  # an identical call finished meanwhile
+                return self._replay(known, req)  # an identical call finished meanwhile
             call = self._record(req, key)
+            await self._capture(call)  # durable before the answer (Gym's TokenSink contract)
         return call.reply()
 
-    def _replay(self, known: Call, req: ModelCall, digest: str) -> ModelReply:
+    async def _capture(self, call: Call) -> None:
+        """Put the call's TokenEntry into the token store. As in Gym, a capture error never fails the
+        model call: the rollout is marked incomplete instead (so a trainer masks it)."""
+        if self.token_store is None:
+            return
+        key, call_id = call.token["rollout_id"], call.token["model_call_id"]
+        try:
+            await self.token_store.put(call.token)
+        except Exception as exc:  # noqa: BLE001 - any capture failure is reported the same way
+            log.warning("token capture of %s call %s failed: %s", key, call_id, exc)
+            try:
+                await self.token_store.mark_incomplete(key, call_id)
+            except Exception as again:  # noqa: BLE001
+                log.error("could not mark %s incomplete after a failed capture: %s", key, again)
+
+    def _replay(self, known: Call, req: ModelCall) -> ModelReply:
         """A retried call gets the recorded answer; a different prompt under the same id is refused."""
-        if rules.token_digest(known.row["prompt_token_ids"]) != digest:
+        if known.token["prompt_token_ids"] != list(req.prompt_token_ids):
             raise ApiRefused(409, "conflict", f"{req.model_call_id!r} of {known.entry.capture_key!r} was already "
                              "recorded with a different prompt")
         return known.reply(replayed=True)
 
     def _record(self, req: ModelCall, key: str) -> Call:
+        """Generate, then stamp the call's lineage as Gym does: a root names no parent; a parent the
+        ledger holds is resolved; one it does not hold is unresolved and, by Gym's rule, not named."""
         gen, log_probs = rules.generate(self.seed, req.prompt_token_ids)
+        parent: str | None = None
+        reason = ""
         if req.parent_call_id is None:
             resolution = "root"
+        elif self._find(req.rollout_id, req.parent_call_id, req.attempt_index) is not None:
+            resolution, parent = "resolved", req.parent_call_id
         else:
-            found = self._find(req.rollout_id, req.parent_call_id, req.attempt_index)
-            resolution = "resolved" if found is not None else "unresolved"
+            resolution, reason = "unresolved", UNRESOLVED_PARENT_REASON
         now = time.time()
-        cumulative = req.prompt_token_ids + gen
-        items = msgspec.json.encode([{"type": "message", "role": "assistant", "tokens": len(gen)}]).decode()
-        row = {
-            "schema_version": 1, "rollout_id": req.rollout_id, "attempt_index": req.attempt_index, "capture_key": key,
-            "model_call_id": req.model_call_id, "model": self.model, "prompt_token_ids": req.prompt_token_ids,
-            "generation_token_ids": gen, "generation_log_probs": log_probs, "routed_experts": None,
-            "output_items": items,
+        cumulative = list(req.prompt_token_ids) + gen
+        token = {
+            "schema_version": TOKEN_ENTRY_SCHEMA_VERSION, "rollout_id": key, "model_call_id": req.model_call_id,
+            "model": self.model, "prompt_token_ids": list(req.prompt_token_ids), "generation_token_ids": gen,
+            "generation_log_probs": log_probs, "routed_experts": None,
+            "output_items": [{"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": f"<{len(gen)} tokens>"}]}],
             "token_item_index": 0, "response_id": f"resp-{key}-{req.model_call_id}", "created_at": now,
-            "parent_call_id": req.parent_call_id, "cum_len": len(cumulative), "digest": rules.token_digest(cumulative),
-            "parent_resolution": resolution, "prompt_is_delta": False,
+            "parent_call_id": parent, "cum_len": len(cumulative), "digest": token_digest(cumulative),
+            "parent_resolution": resolution, "continuation_fingerprint": "", "continuation_context_len": 0,
+            "continuation_context_digest": "", "parent_resolution_reason": reason, "fingerprint_version": None,
+            "prompt_is_delta": False, "prefix_requested": False, "prefix_supplied": False,
         }
         entry = ModelLedgerEntry(rollout_id=req.rollout_id, attempt_index=req.attempt_index, capture_key=key,
                                  model_call_id=req.model_call_id, parent_call_id=req.parent_call_id,
                                  turn_index=req.turn_index, model=self.model, created_at=now)
-        call = Call(entry=entry, row=row)
+        call = Call(entry=entry, token=token)
         self.calls[(key, req.model_call_id)] = call
         return call
 
@@ -256,15 +285,27 @@ class ModelParticipant(Participant):
         return [{"rollout_id": c.entry.rollout_id, "attempt_index": c.entry.attempt_index,
                  "capture_key": c.entry.capture_key, "model_call_id": c.entry.model_call_id,
                  "parent_call_id": c.entry.parent_call_id, "turn_index": c.entry.turn_index,
-                 "parent_resolution": c.row["parent_resolution"]} for c in calls]
+                 "parent_resolution": c.token["parent_resolution"]} for c in calls]
 
 
-def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_delay_ms: int = 0) -> FastAPI:
-    """The model server's FastAPI app: ``/v1/responses``, ``/ledger`` and the control routes."""
-    participant = ModelParticipant(name, seed, slow_ms, commit_delay_ms)
+def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_delay_ms: int = 0,
+               token_store: str | None = None) -> FastAPI:
+    """The model server's FastAPI app: ``/v1/responses``, ``/ledger`` and the control routes.
+
+    With ``token_store`` (a folder or ``s3://`` location), every call's TokenEntry is captured
+    there through :class:`gymkit.TokenStore` before the call is answered.
+    """
+    store = TokenStore(token_store) if token_store else None
+    participant = ModelParticipant(name, seed, slow_ms, commit_delay_ms, token_store=store)
     plane = ControlPlane(participant, token)
     participant.plane = plane
-    app = FastAPI(title=f"refgym model server {name}")
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if store is not None:
+            await store.close()
+
+    app = FastAPI(title=f"refgym model server {name}", lifespan=lifespan)
     app.state.participant = participant
     app.include_router(plane.router())
     install_error_handler(app)

@@ -113,7 +113,7 @@ class ServerProcess:
 def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: int = 0, seed: int = 0,
            slow_ms: int = 0, commit_delay_ms: int = 0, model_url: str | None = None,
            resource_url: str | None = None, forkserver: ForkServer | None = None,
-           test_faults: bool = False) -> ServerProcess:
+           test_faults: bool = False, token_store: str | None = None) -> ServerProcess:
     """Start one server process (not yet ready: call :meth:`ServerProcess.wait_ready`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     stem = f"{component}-{name}-{time.monotonic_ns()}"
@@ -127,6 +127,8 @@ def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: 
         argv += ["--resource-url", resource_url]
     if test_faults:
         argv += ["--test-faults"]
+    if token_store:
+        argv += ["--token-store", token_store]
     if forkserver is not None:
         return ServerProcess(component, name, forkserver.spawn(argv, log_path), port_file, log_path)
     env = dict(os.environ)
@@ -160,13 +162,16 @@ def free_port() -> int:
 def start_trio(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_ms: int = 0, resource_slow_ms: int = 0,
                commit_delay_ms: int = 0, model_name: str = "policy0", agent_name: str = "agent0",
                resource_name: str = "tools", forkserver: ForkServer | None = None, timeout: float = 30.0,
-               test_faults: bool = False) -> Trio:
-    """Start the three servers at once (the agent is told the others' ports up front) and wait for all."""
+               test_faults: bool = False, token_store: str | None = None) -> Trio:
+    """Start the three servers at once (the agent is told the others' ports up front) and wait for all.
+
+    ``token_store``: where the model server captures each call's TokenEntry (none when not given).
+    """
     model_port, resource_port = free_port(), free_port()
     common = {"forkserver": forkserver}
     started = [
         launch("model", model_name, workdir, token_file, port=model_port, seed=seed, slow_ms=model_slow_ms,
-               commit_delay_ms=commit_delay_ms, **common),
+               commit_delay_ms=commit_delay_ms, token_store=token_store, **common),
         launch("resource", resource_name, workdir, token_file, port=resource_port, slow_ms=resource_slow_ms,
                test_faults=test_faults, **common),
         launch("agent", agent_name, workdir, token_file, model_url=f"http://127.0.0.1:{model_port}",

@@ -80,7 +80,7 @@ class ResourceParticipant(Participant):
         assert part is not None
         self.faults.before_commit()
         records = [
-            SessionStateRecord(session_id=sid, resource=kind, state_revision=s.revision,
+            SessionStateRecord(session_id=sid, resource=self.name, tool=kind, state_revision=s.revision,
                                rollout_id=_rollout_of(sid), state=s.state)
             for (kind, sid), s in sorted(self.sessions.items()) if kind not in rules.RESTART_ONLY_KINDS
         ]
@@ -95,14 +95,18 @@ class ResourceParticipant(Participant):
         loaded: dict[tuple[str, str], Session] = {}
         with invalid_records_refused():
             for rec in part_records(snapshot, prefix, "session_state"):
-                if rec.resource not in rules.TOOL_KINDS or rec.resource in rules.RESTART_ONLY_KINDS:
-                    raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r} is of kind {rec.resource!r}, "
+                kind = rec.tool if rec.tool is not None else rec.resource  # older records: the tool in resource
+                if rec.tool is not None and rec.resource != self.name:
+                    raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r} belongs to resource server "
+                                             f"{rec.resource!r}, not {self.name!r}")
+                if kind not in rules.TOOL_KINDS or kind in rules.RESTART_ONLY_KINDS:
+                    raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r} is of kind {kind!r}, "
                                              "which this server cannot restore")
                 try:
                     state = msgspec.convert(rec.state, dict[str, list[int]])
                 except msgspec.ValidationError as exc:
                     raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r}: state: {exc}") from None
-                loaded[(rec.resource, rec.session_id)] = Session(state=dict(state), revision=rec.state_revision)
+                loaded[(kind, rec.session_id)] = Session(state=dict(state), revision=rec.state_revision)
         self.sessions = loaded  # swapped in whole: a failed load changes nothing
         return {"sessions": len(loaded)}
 

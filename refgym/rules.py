@@ -82,8 +82,3 @@ def apply_tool(kind: str, state: dict[str, Any], args: dict[str, int]) -> tuple[
 def tool_tokens(kind: str, result: dict[str, int]) -> list[int]:
     """How a tool result enters the conversation: a marker token, then its values as tokens."""
     return [_TOOL_MARK[kind]] + [int(v) % (VOCAB - 2) for _, v in sorted(result.items())]
-
-
-def token_digest(tokens: list[int]) -> str:
-    """Hex SHA-256 over a cumulative token sequence (the token-capture row's ``digest``)."""
-    return hashlib.sha256(tokens_bytes(tokens)).hexdigest()

@@ -28,7 +28,8 @@ def build_app(args: argparse.Namespace, token: str) -> FastAPI:
     if args.component == "model":
         from refgym.model_server import create_app as model_app
 
-        return model_app(args.name, token, seed=args.seed, slow_ms=args.slow_ms, commit_delay_ms=args.commit_delay_ms)
+        return model_app(args.name, token, seed=args.seed, slow_ms=args.slow_ms, commit_delay_ms=args.commit_delay_ms,
+                         token_store=args.token_store)
     if args.component == "resource":
         from refgym.resource_server import create_app as resource_app
 
@@ -70,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model: the model's seed")
     p.add_argument("--slow-ms", type=int, default=0, help="model/resource: make every call take this long")
     p.add_argument("--commit-delay-ms", type=int, default=0, help="model: hold each commit open this long (tests)")
+    p.add_argument("--token-store", help="model: capture every call's TokenEntry into this folder or s3:// location")
     p.add_argument("--test-faults", action="store_true", help="resource: serve POST /test/faults (tests only)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)

@@ -58,6 +58,7 @@ class Gym:
     model: GymClient
     agent: GymClient
     resource: GymClient
+    token_store: str | None = None  # where the model server captures its calls' TokenEntries
 
     @property
     def clients(self) -> list[GymClient]:
@@ -98,12 +99,17 @@ class Fleet:
         self.clients: list[GymClient] = []
 
     def gym(self, **kw: Any) -> Gym:
-        """A trio (model seed :data:`MODEL_SEED` unless given) with a client for each server."""
+        """A trio (model seed :data:`MODEL_SEED` unless given) with a client for each server.
+
+        Its model server captures tokens into a token store of its own under the fleet's folder
+        unless ``token_store`` names one (pass the same one to a replacement trio to share it).
+        """
         kw.setdefault("seed", MODEL_SEED)
+        kw.setdefault("token_store", str(self.workdir / f"token-store-{secrets.token_hex(4)}"))
         trio = start_trio(self.workdir, self.token_file, forkserver=self.forkserver, **kw)
         self.procs += trio.all
         clients = [self.client(p.url) for p in (trio.model, trio.agent, trio.resource)]
-        return Gym(trio, *clients)
+        return Gym(trio, *clients, token_store=kw["token_store"])
 
     def server(self, component: str, name: str, **kw: Any) -> ServerProcess:
         kw.setdefault("seed", MODEL_SEED)

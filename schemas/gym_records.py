@@ -17,20 +17,22 @@ RolloutId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 CallId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
-class AgentContinuationRoot(msgspec.Struct, frozen=True, kw_only=True):
-    """One line of ``continuations.jsonl``: a rollout parked at a turn end (Gym's fields, exactly).
+class AgentContinuationRoot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One line of ``continuations.jsonl``: a rollout parked at a turn end, as Gym's
+    ``AgentContinuationRoot`` defines it (same fields, defaults, nullability; unknown fields refused).
 
-    ``last_committed_model_call_id`` is the call after which the rollout continues on restore
-    (``None`` if it was parked before its first call); ``resource_state_revisions`` maps each
-    resource server it depends on to the state revision it saw.
+    ``last_committed_model_call_id`` is the call after which the rollout continues on restore; a
+    rollout parked before its first model call has no line (it starts its next run from the
+    beginning). ``resource_state_revisions`` maps each resource server it depends on to the state
+    revision it saw; null (the default) means an index written before dependency tracking.
     """
 
-    schema_version: SchemaVersion = 1
+    schema_version: SchemaVersion = 1  # Gym: literal 1; a reader refuses a newer one naming both versions
     rollout_id: RolloutId
     attempt_index: NonNeg
     capture_key: Str
-    last_committed_model_call_id: CallId | None
-    resource_state_revisions: dict[Name, int] | None
+    last_committed_model_call_id: CallId
+    resource_state_revisions: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         check_capture_key(self.rollout_id, self.capture_key, self.attempt_index)
@@ -93,14 +95,20 @@ class TokenIndexEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SessionStateRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One resource session's exported state at a state revision."""
+    """One resource session's exported state at a state revision.
+
+    ``resource`` names the resource server as the participant does (its capability ``name``, the
+    key of every continuation's ``resource_state_revisions``); ``tool`` is the kind of session
+    within that server. Records written before ``tool`` existed held the tool in ``resource``.
+    """
 
     schema_version: SchemaVersion = 1
     session_id: Str
-    resource: Name  # the resource kind (tool) this session belongs to
+    resource: Name
     state_revision: NonNeg
     rollout_id: RolloutId | None = None
     state: Any = None
+    tool: Name | None = None
 
     def __post_init__(self) -> None:
         if self.rollout_id is not None:

@@ -1,8 +1,10 @@
 """Identifier rules shared with NeMo Gym, and the safe-name rule for anything that becomes a path.
 
 Gym's rules (``nemo_gym/episode_types.py``): a rollout id is non-empty, matches
-``^[A-Za-z0-9][A-Za-z0-9._-]*$`` and does not end in ``-a<N>``; the capture key of attempt ``n``
-is the rollout id when ``n == 0`` and ``<rollout_id>-a<n>`` otherwise.
+``^[A-Za-z0-9][A-Za-z0-9._-]*$`` (a whole-string match) and does not end in the reserved suffix
+``-a[1-9][0-9]*`` (so ``x-a0`` and ``x-a01`` are legal rollout ids); the capture key of attempt ``n``
+is the rollout id when ``n == 0`` and ``<rollout_id>-a<n>`` otherwise. Because the suffix is
+reserved, a capture key names exactly one (rollout id, attempt): :func:`split_capture_key`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 from schemas.errors import InvalidPathError, InvalidRecordError
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_ATTEMPT_SUFFIX_RE = re.compile(r"-a[0-9]+$")
+_ATTEMPT_SUFFIX_RE = re.compile(r"-a[1-9][0-9]*$")  # Gym's EpisodeId reserves exactly this
 MAX_NAME_LEN = 200
 MAX_PATH_LEN = 1024
 MAX_PATH_DEPTH = 16
@@ -28,7 +30,8 @@ def check_rollout_id(rollout_id: str, where: str = "rollout_id") -> str:
         raise InvalidRecordError(f"{where}: rollout id longer than {MAX_NAME_LEN} characters")
     if _ATTEMPT_SUFFIX_RE.search(rollout_id):
         raise InvalidRecordError(
-            f"{where}: rollout id {rollout_id!r} ends in '-a<N>', which is reserved for capture keys"
+            f"{where}: rollout id {rollout_id!r} ends in '-a<N>' (N >= 1, no leading zero), "
+            "which is reserved for capture keys"
         )
     return rollout_id
 
@@ -39,6 +42,22 @@ def capture_key(rollout_id: str, attempt: int) -> str:
     if attempt < 0:
         raise InvalidRecordError(f"attempt_index: {attempt} is negative (expected >= 0)")
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+
+
+def split_capture_key(key: str, where: str = "capture_key") -> tuple[str, int]:
+    """The (rollout id, attempt) a capture key names: the inverse of :func:`capture_key`.
+
+    Gym's ``TokenEntry.rollout_id`` holds the capture key; because rollout ids may not end in the
+    reserved suffix, ``p7_g2-a3`` can only be attempt 3 of ``p7_g2`` and ``p7_g2`` only attempt 0.
+    """
+    if not isinstance(key, str):
+        raise InvalidRecordError(f"{where}: {key!r} is not a string")
+    match = _ATTEMPT_SUFFIX_RE.search(key)
+    if match is None:
+        return check_rollout_id(key, where=where), 0
+    rollout_id = key[: match.start()]
+    check_rollout_id(rollout_id, where=where)
+    return rollout_id, int(match.group()[2:])
 
 
 def check_capture_key(rollout_id: str, key: str, attempt_index: int, where: str = "capture_key") -> str:

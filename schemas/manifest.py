@@ -22,6 +22,7 @@ Fingerprint = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
 FileKind = Literal[
     "training_rows",
     "token_capture_rows",
+    "dataplane_rows",
     "continuations",
     "agent_state",
     "model_ledger",
@@ -36,7 +37,7 @@ JSONL_KINDS = frozenset(
     {"continuations", "agent_state", "model_ledger", "token_index", "session_state",
      "replay_index", "recovery_ledger"}
 )
-ROW_KINDS = frozenset({"training_rows", "token_capture_rows"})
+ROW_KINDS = frozenset({"training_rows", "token_capture_rows", "dataplane_rows"})
 JSON_KINDS = frozenset({"loader_place", "part_manifest"})
 
 Compression = Literal["none", "zstd"]

@@ -1,4 +1,4 @@
-"""Arrow schemas of the two row tables, and the checks every row batch must pass.
+"""Arrow schemas of the three row tables, and the checks every row batch must pass.
 
 Required columns MUST be present with exactly these types (so a reader can memory-map them without
 conversion); a writer MAY add further columns, which readers ignore unless they know them. Columns
@@ -7,13 +7,52 @@ these schemas declare not nullable MUST hold no nulls, whatever a file's own sch
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.errors import InvalidRecordError, VersionError
-from schemas.version import RECORD_SCHEMA_VERSION
+from schemas.token_entry import TOKEN_ENTRY_SCHEMA_VERSION
 
+#: Token-capture rows, file version 2: one row per model call, every field of Gym's TokenEntry
+#: (``schemas.token_entry`` says how a TokenEntry maps to a row and back, losslessly).
 TOKEN_CAPTURE_SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int32(), nullable=False),  # the TokenEntry's own (Gym's) version
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("attempt_index", pa.int32(), nullable=False),
+        pa.field("capture_key", pa.string(), nullable=False),  # Gym's TokenEntry.rollout_id
+        pa.field("model_call_id", pa.string(), nullable=False),
+        pa.field("model", pa.string()),
+        pa.field("prompt_token_ids", pa.list_(pa.int64()), nullable=False),
+        pa.field("generation_token_ids", pa.list_(pa.int64()), nullable=False),
+        pa.field("generation_log_probs", pa.list_(pa.float64()), nullable=False),
+        pa.field("routed_experts", pa.string()),  # JSON text (Gym: any JSON value or None)
+        pa.field("output_items", pa.string()),  # JSON text of a list of objects
+        pa.field("token_item_index", pa.int64()),
+        pa.field("response_id", pa.string()),
+        pa.field("created_at", pa.float64()),
+        pa.field("parent_call_id", pa.string()),
+        pa.field("cum_len", pa.int64()),
+        pa.field("digest", pa.string()),  # Gym's digest of the cumulative token sequence
+        pa.field("parent_resolution", pa.string()),  # root | resolved | unresolved
+        pa.field("continuation_fingerprint", pa.string()),
+        pa.field("continuation_context_len", pa.int64()),
+        pa.field("continuation_context_digest", pa.string()),
+        pa.field("parent_resolution_reason", pa.string()),
+        pa.field("fingerprint_version", pa.int64()),
+        pa.field("prompt_is_delta", pa.bool_()),
+        pa.field("prefix_requested", pa.bool_()),
+        pa.field("prefix_supplied", pa.bool_()),
+        pa.field("extra_fields", pa.string()),  # JSON object of the TokenEntry's unknown fields
+    ],
+    metadata={"snapformat.kind": "token_capture_rows", "snapformat.schema_version": "2"},
+)
+
+#: Token-capture rows as file version 1 wrote them (read, never written): 32-bit ids and log
+#: probs, nested-list routed experts, and none of the continuation, prefix or extra columns.
+TOKEN_CAPTURE_SCHEMA_V1 = pa.schema(
     [
         pa.field("schema_version", pa.int32(), nullable=False),
         pa.field("rollout_id", pa.string(), nullable=False),
@@ -25,14 +64,14 @@ TOKEN_CAPTURE_SCHEMA = pa.schema(
         pa.field("generation_token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("generation_log_probs", pa.list_(pa.float32()), nullable=False),
         pa.field("routed_experts", pa.list_(pa.list_(pa.int32()))),
-        pa.field("output_items", pa.string()),  # JSON text, as Gym holds it
+        pa.field("output_items", pa.string()),
         pa.field("token_item_index", pa.int32()),
         pa.field("response_id", pa.string()),
         pa.field("created_at", pa.float64()),
         pa.field("parent_call_id", pa.string()),
         pa.field("cum_len", pa.int64(), nullable=False),
-        pa.field("digest", pa.string()),  # hex sha256 over the cumulative token sequence
-        pa.field("parent_resolution", pa.string()),  # root | resolved | unresolved
+        pa.field("digest", pa.string()),
+        pa.field("parent_resolution", pa.string()),
         pa.field("prompt_is_delta", pa.bool_()),
     ],
     metadata={"snapformat.kind": "token_capture_rows", "snapformat.schema_version": "1"},
@@ -56,9 +95,28 @@ TRAINING_SCHEMA = pa.schema(
     metadata={"snapformat.kind": "training_rows", "snapformat.schema_version": "1"},
 )
 
+#: Rows of any shape from a data-plane partition: its key, its partition and its tags (JSON text);
+#: every field is a further column of its own name and type (see the data plane's layout metadata).
+DATAPLANE_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("partition_id", pa.string(), nullable=False),
+        pa.field("row_tags", pa.string()),
+    ],
+    metadata={"snapformat.kind": "dataplane_rows", "snapformat.schema_version": "1"},
+)
+
 ROW_SCHEMAS: dict[str, pa.Schema] = {
     "token_capture_rows": TOKEN_CAPTURE_SCHEMA,
     "training_rows": TRAINING_SCHEMA,
+    "dataplane_rows": DATAPLANE_SCHEMA,
+}
+
+#: Per kind, the schema of each file version a reader accepts (the newest is the one written).
+SCHEMA_VERSIONS: dict[str, dict[int, pa.Schema]] = {
+    "token_capture_rows": {1: TOKEN_CAPTURE_SCHEMA_V1, 2: TOKEN_CAPTURE_SCHEMA},
+    "training_rows": {1: TRAINING_SCHEMA},
+    "dataplane_rows": {1: DATAPLANE_SCHEMA},
 }
 
 #: Per kind, the columns that MUST hold no nulls: taken from the canonical schemas above, never from a
@@ -68,32 +126,58 @@ NON_NULLABLE: dict[str, tuple[pa.Field, ...]] = {
 }
 
 _ROLLOUT_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-_RESERVED_SUFFIX_RE = r"-a[0-9]+$"
+_RESERVED_SUFFIX_RE = r"-a[1-9][0-9]*$"
 # Both rules as one search for a breach (one regex pass over the column instead of two): empty, a
 # first character that is not alphanumeric, any character outside the set, or a reserved suffix.
-_ROLLOUT_ID_BREACH_RE = r"^$|^[^A-Za-z0-9]|[^A-Za-z0-9._-]|-a[0-9]+$"
+_ROLLOUT_ID_BREACH_RE = r"^$|^[^A-Za-z0-9]|[^A-Za-z0-9._-]|-a[1-9][0-9]*$"
 _PARENT_RESOLUTIONS = pa.array(["root", "resolved", "unresolved"])
 
 
-def check_schema(kind: str, schema: pa.Schema, where: str) -> None:
-    """Every required column of ``kind`` is present with its exact type (extra columns allowed),
-    and the file's ``snapformat.schema_version`` (1 when absent) is one this reader understands."""
-    expected = ROW_SCHEMAS[kind]
+def file_version(kind: str, schema: pa.Schema, where: str) -> int:
+    """The file's ``snapformat.schema_version`` (1 when absent), refused naming both versions when
+    this reader does not know it."""
+    known = SCHEMA_VERSIONS[kind]
+    newest = max(known)
     raw = (schema.metadata or {}).get(b"snapformat.schema_version", b"1")
     # Length first: int() refuses more than 4300 digits with a bare ValueError, and no supported
     # version needs more than a few.
-    if not raw.isdigit() or len(raw.lstrip(b"0")) > 9 or not 1 <= int(raw) <= RECORD_SCHEMA_VERSION:
+    if not raw.isdigit() or len(raw.lstrip(b"0")) > 9 or int(raw) not in known:
         shown = raw[:40].decode(errors="replace") + ("..." if len(raw) > 40 else "")
         raise VersionError(
             f"{where}: snapformat.schema_version {shown!r} is not supported "
-            f"(this reader understands 1..{RECORD_SCHEMA_VERSION})")
-    for field in expected:
+            f"(this reader understands {kind} files of versions {min(known)}..{newest})")
+    return int(raw)
+
+
+def check_schema(kind: str, schema: pa.Schema, where: str) -> int:
+    """Every required column of ``kind`` is present with its exact type for the file's version
+    (extra columns allowed); returns that version (see :func:`file_version`)."""
+    version = file_version(kind, schema, where)
+    for field in SCHEMA_VERSIONS[kind][version]:
         idx = schema.get_field_index(field.name)
         if idx < 0:
             raise InvalidRecordError(f"{where}: column {field.name!r} is missing (expected {field.type})")
         got = schema.field(idx).type
         if got != field.type:
             raise InvalidRecordError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
+    return version
+
+
+def upgrade(kind: str, batch: pa.RecordBatch, where: str) -> pa.RecordBatch:
+    """A batch of any version this reader accepts, in the current version's columns and types.
+
+    Token rows of version 1 widen ids and log probs (exact), carry routed experts over as JSON
+    text, and gain the newer columns as nulls (which read back as Gym's defaults).
+    """
+    if file_version(kind, batch.schema, where) == max(SCHEMA_VERSIONS[kind]):
+        return batch
+    if kind == "token_capture_rows" and batch.schema.get_field_index("routed_experts") >= 0:
+        experts = batch.column("routed_experts")
+        if not pa.types.is_string(experts.type):
+            text = pa.array([None if v is None else json.dumps(v, separators=(",", ":"))
+                             for v in experts.to_pylist()], pa.string())
+            batch = batch.set_column(batch.schema.get_field_index("routed_experts"), "routed_experts", text)
+    return conform(kind, batch.replace_schema_metadata(None), where)
 
 
 def conform(kind: str, batch: pa.RecordBatch, where: str) -> pa.RecordBatch:
@@ -123,7 +207,8 @@ def conform(kind: str, batch: pa.RecordBatch, where: str) -> pa.RecordBatch:
                     f"{where}: column {field.name!r} of type {col.type} cannot become {field.type}: {exc}"
                 ) from None
         arrays.append(col)
-        fields.append(field)
+        own = batch.schema.field(idx).metadata  # a writer's column metadata (the data plane's layout) stays
+        fields.append(field.with_metadata(own) if own else field)
     names = set(expected.names)
     for i, field in enumerate(batch.schema):
         if field.name not in names:
@@ -165,6 +250,8 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
     """Row-level rules, vectorised: no nulls in required columns, Gym's id and capture-key rules,
     matching list lengths."""
     check_no_nulls(kind, batch, where)
+    if kind == "dataplane_rows":
+        return  # any shape: the data plane's own layout metadata describes its fields
     for name in ("rollout_id",):
         col = batch.column(name)
         i = _first_bad(pc.match_substring_regex(col, _ROLLOUT_ID_BREACH_RE))
@@ -180,11 +267,11 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
     if kind != "token_capture_rows":
         return
     sv = batch.column("schema_version")
-    i = _first_bad(pc.or_(pc.less(sv, 1), pc.greater(sv, RECORD_SCHEMA_VERSION)))
+    i = _first_bad(pc.or_(pc.less(sv, 1), pc.greater(sv, TOKEN_ENTRY_SCHEMA_VERSION)))
     if i is not None:
         raise VersionError(
-            f"{where}: row {i}: schema_version {sv[i].as_py()} is not supported "
-            f"(this reader understands 1..{RECORD_SCHEMA_VERSION})")
+            f"{where}: row {i}: schema_version {sv[i].as_py()} is not supported (this reader understands "
+            f"token records of versions 1..{TOKEN_ENTRY_SCHEMA_VERSION})")
     rid, key = batch.column("rollout_id"), batch.column("capture_key")
     expected_key = pc.if_else(
         pc.equal(attempt, 0), rid,
@@ -210,3 +297,25 @@ def validate_batch(kind: str, batch: pa.RecordBatch, where: str) -> None:
         raise InvalidRecordError(
             f"{where}: row {i}: parent_resolution {res[i].as_py()!r} is not root, resolved or unresolved"
         )
+    _check_lineage(batch, res, where)
+
+
+def _check_lineage(batch: pa.RecordBatch, res: pa.Array, where: str) -> None:
+    """Gym's parent rules: a resolved parent names its call, a root or unresolved one names none,
+    and a delta prompt (only the suffix after its parent) needs a resolved parent."""
+    parent = batch.column("parent_call_id")
+    has_parent = pc.fill_null(pc.greater(pc.utf8_length(parent), 0), False)
+    resolved = pc.fill_null(pc.equal(res, "resolved"), False)
+    i = _first_bad(pc.and_(resolved, pc.invert(has_parent)))
+    if i is not None:
+        raise InvalidRecordError(f"{where}: row {i}: parent_resolution 'resolved' requires a parent_call_id")
+    rootish = pc.fill_null(pc.is_in(res, value_set=pa.array(["root", "unresolved"])), False)
+    i = _first_bad(pc.and_(rootish, pc.is_valid(parent)))
+    if i is not None:
+        raise InvalidRecordError(
+            f"{where}: row {i}: parent_resolution {res[i].as_py()!r} cannot carry parent_call_id "
+            f"{parent[i].as_py()!r}")
+    delta = pc.fill_null(batch.column("prompt_is_delta"), False)
+    i = _first_bad(pc.and_(delta, pc.invert(pc.and_(resolved, has_parent))))
+    if i is not None:
+        raise InvalidRecordError(f"{where}: row {i}: a delta prompt requires a resolved parent_call_id")

@@ -25,6 +25,7 @@ from snapformat.progress import Progress
 from snapformat.reader import Snapshot, load_manifest, open_snapshot
 from snapformat.retention import DEFAULT_DRAFT_MIN_AGE_S
 from snapformat.snapshot_store import SnapshotStore
+from snapformat.token_rows import iter_entries
 from snapformat.verify import verify_snapshot
 
 
@@ -171,6 +172,10 @@ def _is_rows(snap: Snapshot, part: str) -> bool:
     return kinds == {"rows"}
 
 
+def _is_tokens(snap: Snapshot, part: str) -> bool:
+    return all(e.kind == "token_capture_rows" for e in snap.select(part))
+
+
 def _resolve_part(snap: Snapshot, part: str) -> None:
     try:
         snap.select(part)
@@ -184,6 +189,15 @@ def cmd_cat(args: argparse.Namespace) -> int:
     out = sys.stdout
     limit = args.limit
     n = 0
+    if _is_rows(snap, args.part) and args.format == "jsonl" and _is_tokens(snap, args.part):
+        # Gym's own record, as its TokenEntry.model_validate_json accepts it, one per line.
+        for entry in snap.select(args.part):
+            for token_entry in iter_entries(snap.open_rows(entry), snap.where(entry)):
+                if limit is not None and n >= limit:
+                    return 0
+                out.write(json.dumps(token_entry, separators=(",", ":")) + "\n")
+                n += 1
+        return 0
     if _is_rows(snap, args.part):
         writer = None
         for batch in _rows_iter(snap, args.part):
@@ -199,8 +213,8 @@ def cmd_cat(args: argparse.Namespace) -> int:
                     out.write(json.dumps(row) + "\n")
                 n += 1
         return 0
-    if args.format == "csv":
-        raise UsageError("--format csv is for row parts (training, tokens); record parts print as JSON lines")
+    if args.format != "jsonl":
+        raise UsageError(f"--format {args.format} is for row parts (training, tokens); record parts print as JSON lines")
     for rec in snap.iter_records(args.part):
         if limit is not None and n >= limit:
             break
@@ -312,10 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("snapshot")
     sp.set_defaults(func=cmd_verify)
     parts = ", ".join(sorted(ALIASES))
-    sp = add("cat", "print a part as JSON lines (rows also as CSV)")
+    sp = add("cat", "print a part as JSON lines (token rows as Gym's TokenEntry; rows also as CSV)")
     sp.add_argument("snapshot")
     sp.add_argument("part", help=f"a file path from show, or one of: {parts}")
-    sp.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    sp.add_argument("--format", choices=("jsonl", "columns", "csv"), default="jsonl",
+                    help="jsonl: records, and token rows as Gym's TokenEntry JSON; columns: rows as their "
+                         "Arrow columns, one JSON object a row; csv: rows as CSV")
     sp.add_argument("--limit", type=int, default=None, help="print at most this many records")
     sp.set_defaults(func=cmd_cat)
     sp = add("export", "write a part as Parquet (for DuckDB, Polars...)")

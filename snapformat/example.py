@@ -8,7 +8,6 @@ server's sessions, TQ's training rows and the controller's bookkeeping.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ from schemas.gym_records import (
 from schemas.identity import capture_key
 from schemas.manifest import GymCommit, ParticipantCommit
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
+from schemas.token_entry import token_digest
 from schemas.topology import topology_fingerprint
 from snapformat.draft import PartReceipt, SnapshotDraft
 
@@ -57,19 +57,34 @@ def rollouts(count: int, seed: int) -> list[Rollout]:
 
 def token_batches(rs: list[Rollout], seed: int, prompt_len: int = 64, gen_len: int = 32,
                   batch_rows: int = 4096) -> Iterator[tuple[pa.RecordBatch, list[tuple[Rollout, str, int]]]]:
-    """Token-capture rows, one per model call, in batches; also yields where each call landed."""
+    """Token-capture rows, one per model call, in batches; also yields where each call landed.
+
+    Lineage is stamped as Gym stamps it: a rollout's first call is a root with its full prompt,
+    each later call a resolved child of the previous one whose prompt is a delta (only the tokens
+    after its parent's); ``cum_len`` and ``digest`` describe the whole cumulative sequence.
+    """
     rng = np.random.default_rng(seed)
     calls = [(r, c) for r in rs for c in r.calls]
+    cumulative: dict[str, np.ndarray] = {}  # capture key -> tokens so far (dropped after its last call)
     for start in range(0, len(calls), batch_rows):
         chunk = calls[start:start + batch_rows]
         n = len(chunk)
         p_off = np.arange(n + 1, dtype=np.int32) * prompt_len
         g_off = np.arange(n + 1, dtype=np.int32) * gen_len
-        prompt = pa.ListArray.from_arrays(pa.array(p_off), pa.array(rng.integers(0, 150_000, n * prompt_len, dtype=np.int32)))
-        gen = pa.ListArray.from_arrays(pa.array(g_off), pa.array(rng.integers(0, 150_000, n * gen_len, dtype=np.int32)))
-        lps = pa.ListArray.from_arrays(pa.array(g_off), pa.array(-rng.random(n * gen_len, dtype=np.float32)))
-        cum = [(int(c.split("-")[1]) + 1) * (prompt_len + gen_len) for _, c in chunk]
+        prompt_ids = rng.integers(0, 150_000, n * prompt_len, dtype=np.int64)
+        gen_ids = rng.integers(0, 150_000, n * gen_len, dtype=np.int64)
+        prompt = pa.ListArray.from_arrays(pa.array(p_off), pa.array(prompt_ids))
+        gen = pa.ListArray.from_arrays(pa.array(g_off), pa.array(gen_ids))
+        lps = pa.ListArray.from_arrays(pa.array(g_off), pa.array(-rng.random(n * gen_len)))
         parent = [None if c == "call-0" else f"call-{int(c.split('-')[1]) - 1}" for _, c in chunk]
+        cum_len, digest = [], []
+        for i, (r, c) in enumerate(chunk):
+            seq = np.concatenate([cumulative.pop(r.key, np.empty(0, np.int64)),
+                                  prompt_ids[i * prompt_len:(i + 1) * prompt_len], gen_ids[i * gen_len:(i + 1) * gen_len]])
+            if c != r.calls[-1]:
+                cumulative[r.key] = seq
+            cum_len.append(len(seq))
+            digest.append(token_digest(seq))
         cols = {
             "schema_version": pa.array([1] * n, pa.int32()),
             "rollout_id": pa.array([r.rollout_id for r, _ in chunk]),
@@ -80,16 +95,24 @@ def token_batches(rs: list[Rollout], seed: int, prompt_len: int = 64, gen_len: i
             "prompt_token_ids": prompt,
             "generation_token_ids": gen,
             "generation_log_probs": lps,
-            "routed_experts": pa.nulls(n, pa.list_(pa.list_(pa.int32()))),
+            "routed_experts": pa.nulls(n, pa.string()),
             "output_items": pa.array(['[{"type":"message"}]'] * n),
-            "token_item_index": pa.array([0] * n, pa.int32()),
+            "token_item_index": pa.array([0] * n, pa.int64()),
             "response_id": pa.array([f"resp-{r.key}-{c}" for r, c in chunk]),
             "created_at": pa.array([1_796_000_000.0 + start + i for i in range(n)], pa.float64()),
             "parent_call_id": pa.array(parent, pa.string()),
-            "cum_len": pa.array(cum, pa.int64()),
-            "digest": pa.array([hashlib.sha256(f"{r.key}/{c}".encode()).hexdigest() for r, c in chunk]),
+            "cum_len": pa.array(cum_len, pa.int64()),
+            "digest": pa.array(digest),
             "parent_resolution": pa.array(["root" if p is None else "resolved" for p in parent]),
+            "continuation_fingerprint": pa.array([""] * n),
+            "continuation_context_len": pa.array([0] * n, pa.int64()),
+            "continuation_context_digest": pa.array([""] * n),
+            "parent_resolution_reason": pa.array([""] * n),
+            "fingerprint_version": pa.nulls(n, pa.int64()),
             "prompt_is_delta": pa.array([p is not None for p in parent]),
+            "prefix_requested": pa.array([False] * n),
+            "prefix_supplied": pa.array([False] * n),
+            "extra_fields": pa.nulls(n, pa.string()),
         }
         batch = pa.RecordBatch.from_arrays(list(cols.values()), schema=TOKEN_CAPTURE_SCHEMA)
         yield batch, [(r, c, i) for i, (r, c) in enumerate(chunk)]

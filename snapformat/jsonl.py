@@ -255,10 +255,26 @@ def _decode_block(dec: msgspec.json.Decoder, block: bytes, where: str, first_lin
         try:
             dec.decode(line)
         except msgspec.ValidationError as exc:
+            _refuse_newer_version(line, f"{where}: line {first_line + i + 1}")
             raise InvalidRecordError(f"{where}: line {first_line + i + 1}: {exc}") from None
         except _UNDECODABLE as exc:
             raise CorruptSnapshotError(f"{where}: line {first_line + i + 1}: {_undecodable(exc)}") from None
     raise CorruptSnapshotError(f"{where}: lines {first_line + 1}.. could not be decoded")
+
+
+class _Versioned(msgspec.Struct):
+    schema_version: Any = None
+
+
+def _refuse_newer_version(line: bytes, where: str) -> None:
+    """A line that does not fit its record type but says it is of a newer version is refused as
+    that (naming both versions), not by the field that the newer version changed."""
+    try:
+        version = msgspec.json.decode(line, type=_Versioned).schema_version
+    except (*_UNDECODABLE, msgspec.ValidationError):
+        return  # not even JSON of an object: the caller reports the line as it is
+    if isinstance(version, int) and not isinstance(version, bool):
+        check_record_version(version, where)
 
 
 def decode_json(data: bytes, record_type: Any, where: str) -> Any:

@@ -43,6 +43,8 @@ ALIASES: dict[str, str] = {
     "training_rows": "training_rows",
     "tokens": "token_capture_rows",
     "token_capture_rows": "token_capture_rows",
+    "dataplane": "dataplane_rows",
+    "dataplane_rows": "dataplane_rows",
 }
 
 

@@ -22,7 +22,7 @@ import msgspec
 from schemas.errors import CommitConflictError, CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
 from schemas.identity import check_relative_path
 from schemas.manifest import CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
-from schemas.version import FORMAT_VERSION, check_readable
+from schemas.version import FORMAT_VERSION, check_readable, features_of_kinds
 from snapformat import jsonl, layout
 from snapformat.checksum import checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
@@ -134,6 +134,8 @@ def publish(
     committed_at = time.time()
     manifest = Manifest(
         format_version=FORMAT_VERSION,
+        # What a reader must implement to read these files (SPEC §14): a kind it would skip is announced.
+        required_features=features_of_kinds(f.kind for f in files),
         snapshot_id=draft.snapshot_id,
         sequence=draft.sequence,
         created_at=draft.created_at,

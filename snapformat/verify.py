@@ -1,7 +1,8 @@
 """``verify``: check every byte of a snapshot and every cross-reference, and report each problem.
 
 Per file: present, size, checksum over all bytes, then parsed by kind (row schema, row rules,
-batch and row counts; every JSON line decoded; line counts). Across files: every token-index
+batch and row counts, Gym's digest of every token-capture row whose prompt is whole; every JSON
+line decoded; line counts). Across files: every token-index
 entry names a token-capture part of this snapshot, a batch and a row range inside it, and those
 rows belong to that model call. Problems are collected, not raised, so one run names them all.
 """
@@ -15,10 +16,11 @@ import pyarrow as pa
 
 from schemas.errors import CorruptSnapshotError, SnapshotError
 from schemas.manifest import FileEntry
-from schemas.rows import validate_batch
+from schemas.rows import file_version, upgrade, validate_batch
 from snapformat.checksum import check, checksum_stream
 from snapformat.kinds import RECORD_TYPES, storage_of
 from snapformat.reader import Snapshot
+from snapformat.token_rows import check_digests
 
 
 class Problem(msgspec.Struct, frozen=True):
@@ -49,6 +51,9 @@ def _check_bytes(snap: Snapshot, entry: FileEntry, progress: Callable[[int], Non
 def _check_rows(snap: Snapshot, entry: FileEntry, rows_of_calls: dict[str, pa.ipc.RecordBatchFileReader]) -> None:
     where = snap.where(entry)
     reader = snap.open_rows(entry, verify=False)  # bytes were just checked
+    # Gym's digest is the rule from token-row file version 2 on; version 1 files held this
+    # project's own earlier hash in that column, which no reader can check against Gym's.
+    gym_digests = entry.kind == "token_capture_rows" and file_version(entry.kind, reader.schema, where) >= 2
     total = 0
     for i in range(reader.num_record_batches):
         try:
@@ -56,7 +61,10 @@ def _check_rows(snap: Snapshot, entry: FileEntry, rows_of_calls: dict[str, pa.ip
             batch.validate(full=True)
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorruptSnapshotError(f"{where}: record batch {i} is invalid: {exc}") from None
+        batch = upgrade(entry.kind, batch, f"{where}: batch {i}")
         validate_batch(entry.kind, batch, f"{where}: batch {i}")
+        if gym_digests:
+            check_digests(batch, f"{where}: batch {i}")
         total += batch.num_rows
     if total != entry.records:
         raise CorruptSnapshotError(f"{where}: has {total} rows, the manifest says {entry.records}")

@@ -1,13 +1,18 @@
-"""Write the golden example store ``spec/examples/store-v1/`` with the reference writer.
+"""Write the golden example store ``spec/examples/store-v1.1/`` with the reference writer.
 
-    python spec/generate_examples.py            # (re)write spec/examples/store-v1
+    python spec/generate_examples.py            # (re)write spec/examples/store-v1.1
     python spec/generate_examples.py OUT_DIR    # write the same store elsewhere
 
 The store holds two published snapshots, each written by ``snapformat.example.write_example``
 (``count=12``, seeds 7 and 8) and published with the receipts, Gym's commit result and the
-example topology fingerprint. The second snapshot has one more part, ``bulk/``, whose JSON-lines
+example topology fingerprint. The second snapshot has two more parts: ``bulk/``, whose JSON-lines
 file is large enough (more than 256 KiB of content) to be stored zstd-compressed as
-``bulk/sessions.jsonl.zst``, so the golden store covers both JSON-lines encodings.
+``bulk/sessions.jsonl.zst``, so the golden store covers both JSON-lines encodings; and
+``nemo-rl/``, NeMo-RL's token-capture staging rows as a data plane holds them, written as
+``dataplane_rows`` (so that snapshot requires the format 1.1 feature ``dataplane_rows``).
+
+``spec/examples/store-v1/`` is the store format 1.0 writers produced; it is kept as it is, and
+every reader must keep reading it.
 
 Every data file is a pure function of the seeds: only ``manifest.json``, ``part-manifest.json``,
 the commit records and ``_latest.json`` carry times and random snapshot ids.
@@ -22,16 +27,21 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+
+from coordinator.data_plane import DATAPLANE, InMemoryDataPlane, Ragged
 from schemas.gym_records import SessionStateRecord
 from snapformat import SnapshotStore, example
 from snapformat.publish import Published
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "examples" / "store-v1"
+DEFAULT_OUT = HERE / "examples" / "store-v1.1"
 
 COUNT = 12
 SEEDS = (7, 8)
 BULK_PREFIX = "bulk"
+STAGING_PREFIX = "nemo-rl"
 BULK_RECORDS = 1800  # ~300 KB of JSON lines: past the 256 KiB zstd threshold, ~10 KB stored
 PRODUCER = "snapformat spec/generate_examples.py"
 
@@ -46,6 +56,34 @@ def bulk_sessions(n: int = BULK_RECORDS):
         )
 
 
+def staging_rows(seed: int, rollouts: int = 6) -> pa.Table:
+    """NeMo-RL's token-capture staging rows (two deltas per rollout) as a data plane holds them, as
+    the TQ adapter writes a partition of that shape: ``dataplane_rows`` with its layout."""
+    rng = np.random.default_rng(seed)
+    keys, tags, deltas = [], [], []
+    for r in range(rollouts):
+        rid = f"p{r // example.GROUP_SIZE}_g{r % example.GROUP_SIZE}"
+        prev = 0
+        for d in range(2):
+            n = int(rng.integers(2, 6))
+            keys.append(f"{rid}/delta-{d}")
+            tags.append({"rollout_id": rid, "attempt_index": 0})
+            deltas.append((prev, n))
+            prev += n
+    lens = [n for _, n in deltas]
+    plane = InMemoryDataPlane()
+    plane.put("token_capture_staging", keys, {
+        "token_ids_delta": Ragged([rng.integers(0, 150_000, n, dtype=np.int64) for n in lens]),
+        "token_mask_delta": Ragged([np.ones(n, dtype=np.bool_) for n in lens]),
+        "generation_logprobs_delta": Ragged([-rng.random(n, dtype=np.float32) for n in lens]),
+        "prev_len": np.array([p for p, _ in deltas], dtype=np.int64),
+        "delta_len": np.array(lens, dtype=np.int64),
+        "cum_len": np.array([p + n for p, n in deltas], dtype=np.int64),
+        "weight_version": np.array([1] * len(keys), dtype=np.int64),
+    }, tags=tags)
+    return plane.cut().tables[DATAPLANE]
+
+
 def write_store(root: str | Path) -> list[Published]:
     """Write the golden store into ``root`` (which must not hold a store yet)."""
     store = SnapshotStore(str(root))
@@ -58,6 +96,9 @@ def write_store(root: str | Path) -> list[Published]:
             entry = bulk.write_records("sessions", "session_state", bulk_sessions())
             assert entry.compression == "zstd", entry
             receipts.append(bulk.close())
+            staging = draft.part(STAGING_PREFIX, writer="example:staging")
+            staging.write_rows("dataplane.arrow", "dataplane_rows", staging_rows(seed))
+            receipts.append(staging.close())
         published.append(draft.publish(receipts=receipts, gym_commit=gym,
                                        topology_fingerprint=example.TOPOLOGY, producer=PRODUCER))
     return published

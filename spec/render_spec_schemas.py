@@ -51,7 +51,7 @@ from schemas.manifest import (
     CommitRecord, FileEntry, FileKind, GymCommit, LatestHint, Manifest, ParentRef, PartManifest,
     ParticipantCommit, PartReceipt, StoreMarker,
 )
-from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
+from schemas.rows import ROW_SCHEMAS
 from schemas.jsonschema import CONTROL_MESSAGES
 from schemas.topology import canonical_json, topology_fingerprint
 from snapformat import jsonl, layout, reader, retention
@@ -89,7 +89,7 @@ MEANINGS: dict[str, dict[str, str]] = {
     },
     "Manifest": {
         "format_version": "Format version the publisher wrote. Readers refuse another major version.",
-        "required_features": "Features a reader MUST implement to read this snapshot correctly (see Features). Empty in 1.0.",
+        "required_features": "Features a reader MUST implement to read this snapshot correctly (see Features): `dataplane_rows` when it holds a file of that kind, else empty (always empty in 1.0).",
         "snapshot_id": "This snapshot's id (its folder name).",
         "sequence": "This snapshot's sequence number (>= 1).",
         "created_at": "Unix seconds at which the draft was begun.",
@@ -145,8 +145,8 @@ MEANINGS: dict[str, dict[str, str]] = {
         "rollout_id": "The rollout (Gym's rollout id rule).",
         "attempt_index": "The run of the rollout that was parked (0 for the first run).",
         "capture_key": "Gym's capture key of that run: `rollout_id`, or `<rollout_id>-a<N>` with 1 <= N <= `attempt_index`.",
-        "last_committed_model_call_id": "The model call that ended the rollout's last finished turn; on restore the rollout continues after it. Null when it was parked before its first call.",
-        "resource_state_revisions": "For each resource server the rollout depends on, the state revision it saw; null when it depends on none.",
+        "last_committed_model_call_id": "The model call that ended the rollout's last finished turn (non-empty); on restore the rollout continues after it. A rollout parked before its first call has no line.",
+        "resource_state_revisions": "For each resource server the rollout depends on (by its participant name), the state revision it saw; `{}` when it depends on none; null (the default) in an index written before dependency tracking.",
     },
     "AgentStateRecord": {
         "schema_version": _SV,
@@ -181,10 +181,11 @@ MEANINGS: dict[str, dict[str, str]] = {
     "SessionStateRecord": {
         "schema_version": _SV,
         "session_id": "The resource session's id, unique within its resource server.",
-        "resource": "Name of the resource server (tool) that owns the session; matches the keys of `resource_state_revisions`.",
+        "resource": "Name of the resource server that owns the session, as the participant names itself (its capability `name`); the keys of `resource_state_revisions` name it the same way.",
         "state_revision": "State revision the exported state is at.",
         "rollout_id": "The rollout that owns the session, or null for a session not tied to one rollout.",
         "state": "The session's exported state: opaque JSON.",
+        "tool": "The kind of session within the resource server (a tool name), or null. Records written before this field existed held the tool in `resource`; a reader MAY take `resource` as the tool when `tool` is null.",
     },
     "LoaderPlace": {
         "schema_version": _SV,
@@ -364,25 +365,38 @@ COLUMN_MEANINGS: dict[str, dict[str, str]] = {
         "sample_mask": "Weight of the whole sample (0 drops it from the loss).",
     },
     "token_capture_rows": {
-        "schema_version": "Gym's `TokenEntry` schema version of the row; 1 in format 1.0.",
-        "rollout_id": "The rollout that made the model call.",
-        "attempt_index": "The run that made it (>= 0).",
-        "capture_key": "MUST equal the capture key of (`rollout_id`, `attempt_index`).",
+        "schema_version": "Gym's `TokenEntry.schema_version` of the record (1 for nemo-gym 0.7.0); a reader refuses one above the version it understands, naming both.",
+        "rollout_id": "The rollout that made the model call: the capture key without its `-a<N>` suffix.",
+        "attempt_index": "The run that made it (>= 0): N of the capture key's `-a<N>` suffix, 0 without one.",
+        "capture_key": "Gym's `TokenEntry.rollout_id` (which holds the capture key); MUST equal the capture key of (`rollout_id`, `attempt_index`).",
         "model_call_id": "The model call; one call may span several consecutive rows of one batch.",
-        "model": "Name of the model that answered.",
-        "prompt_token_ids": "Prompt token ids (only the new ones when `prompt_is_delta` is true).",
+        "model": "Name of the model that answered; null reads as Gym's default `\"\"`.",
+        "prompt_token_ids": "Prompt token ids (only those after the parent call's when `prompt_is_delta` is true).",
         "generation_token_ids": "Generated token ids.",
-        "generation_log_probs": "Log probability of each generated token; same length as `generation_token_ids`.",
-        "routed_experts": "Mixture-of-experts routing per generated token, when captured.",
-        "output_items": "The call's output items as JSON text, as Gym holds them.",
-        "token_item_index": "Index of the output item these tokens belong to.",
-        "response_id": "Id of the model response.",
-        "created_at": "Unix seconds of the call.",
-        "parent_call_id": "Previous call of the same capture key; null for the first.",
-        "cum_len": "Length of the cumulative token sequence up to and including this call.",
-        "digest": "Hex SHA-256 over the cumulative token sequence, as Gym computes it; opaque to this format.",
-        "parent_resolution": "`root`, `resolved` or `unresolved`: how the parent call was found.",
-        "prompt_is_delta": "True when `prompt_token_ids` holds only the tokens appended since the parent call.",
+        "generation_log_probs": "Log probability of each generated token (as Gym holds it, a 64-bit float); same length as `generation_token_ids`.",
+        "routed_experts": "Gym's `routed_experts` (any JSON value) as JSON text; null is None.",
+        "output_items": "Gym's `output_items` (a list of objects) as JSON text; null reads as `[]`.",
+        "token_item_index": "Index of the output item that carried these tokens, or null.",
+        "response_id": "Id of the model response returned to the client, or null.",
+        "created_at": "Unix seconds of the call; null reads as Gym's default 0.0.",
+        "parent_call_id": "The parent call, present exactly when `parent_resolution` is `resolved` (or, with no resolution recorded, as the writer gave it).",
+        "cum_len": "Length of the whole cumulative token sequence up to and including this call, or null when not stamped.",
+        "digest": "Gym's digest of that cumulative sequence (§6), or null when not stamped.",
+        "parent_resolution": "`root`, `resolved` or `unresolved`: the request-time parent decision; null when not recorded.",
+        "continuation_fingerprint": "Gym's fingerprint of the model-authored output, for request-time parent resolution; null reads as `\"\"`.",
+        "continuation_context_len": "Number of request items the call saw; null reads as 0.",
+        "continuation_context_digest": "Gym's digest of those request items; null reads as `\"\"`.",
+        "parent_resolution_reason": "The resolver's reason for its decision; null reads as `\"\"`.",
+        "fingerprint_version": "The fingerprint algorithm's version, or null.",
+        "prompt_is_delta": "True when `prompt_token_ids` holds only the tokens after the parent's cumulative sequence (needs a resolved parent); null reads as false.",
+        "prefix_requested": "Gym's prefix-supply request flag; null reads as false.",
+        "prefix_supplied": "True only when generation-time prompt ids prove the prefix was applied; null reads as false.",
+        "extra_fields": "The TokenEntry's fields unknown to this schema (Gym keeps them), as one JSON object; null when there are none.",
+    },
+    "dataplane_rows": {
+        "key": "The row's key in the data plane.",
+        "partition_id": "The data-plane partition holding the row.",
+        "row_tags": "The row's tag as JSON text (null reads as `{}`); carries the `dataplane.layout` metadata.",
     },
 }
 
@@ -390,6 +404,7 @@ KIND_NOTES: dict[str, tuple[str, str, str]] = {
     # kind: (written by, conventional file name, section)
     "training_rows": ("TQ adapter", "`tq/training.arrow`", "Training rows"),
     "token_capture_rows": ("policy model server (or TQ)", "`gym/model/<name>/tokens.arrow`", "Token-capture rows"),
+    "dataplane_rows": ("TQ adapter", "`tq/dataplane.arrow`", "Data-plane rows"),
     "continuations": ("agent server", "`gym/agent/<name>/continuations.jsonl[.zst]`", "Continuations"),
     "agent_state": ("agent server", "`gym/agent/<name>/agent_state.jsonl[.zst]`", "Agent state"),
     "model_ledger": ("policy model server", "`gym/model/<name>/ledger.jsonl[.zst]`", "Model ledger"),
@@ -462,7 +477,7 @@ def record_examples() -> dict[str, Any]:
             capture_key="p7_g2", model_call_id="call-2", file="gym/model/policy0/tokens.arrow", batch=0,
             row_start=17, row_count=1),
         "SessionStateRecord": SessionStateRecord(
-            session_id="s-p7_g2", resource="tools", state_revision=3, rollout_id="p7_g2",
+            session_id="s-p7_g2", resource="tools", tool="notes", state_revision=3, rollout_id="p7_g2",
             state={"files": {"notes.txt": "turn 3"}}),
         "LoaderPlace": LoaderPlace(epoch=0, consumed=128, seed=7, dataset_size=1280),
         "ReplayIndexEntry": ReplayIndexEntry(
@@ -639,7 +654,7 @@ def _arrow_type(t: pa.DataType) -> str:
 
 
 def columns_block(kind: str) -> str:
-    schema = {"training_rows": TRAINING_SCHEMA, "token_capture_rows": TOKEN_CAPTURE_SCHEMA}[kind]
+    schema = ROW_SCHEMAS[kind]
     meanings = COLUMN_MEANINGS[kind]
     missing = [f.name for f in schema if f.name not in meanings]
     extra = sorted(set(meanings) - set(schema.names))
@@ -708,11 +723,15 @@ def constants_block() -> str:
 
 
 def vectors_block() -> str:
+    from schemas.token_entry import token_digest
     from snapformat.example import CONTRACTS
 
     rows = [
         ("capture key of (`p7_g2`, 0)", f"`{identity.capture_key('p7_g2', 0)}`"),
         ("capture key of (`p7_g2`, 1)", f"`{identity.capture_key('p7_g2', 1)}`"),
+        ("(rollout id, attempt) of the capture key `x-a01-a2`", f"`{identity.split_capture_key('x-a01-a2')}`"),
+        ("Gym's token digest of the empty sequence", f"`{token_digest([])}`"),
+        ("Gym's token digest of `[1, 2, 3]`", f"`{token_digest([1, 2, 3])}`"),
         ("commit file of sequence 1", f"`{layout.commit_key(1)}`"),
         ("commit file of sequence 2", f"`{layout.commit_key(2)}`"),
         ("commit file of sequence 10000000000", f"`{layout.commit_key(10_000_000_000)}`"),
@@ -869,6 +888,7 @@ def blocks() -> dict[str, str]:
     out["control:topology"] = control_topology_block()
     out["columns:training_rows"] = columns_block("training_rows")
     out["columns:token_capture_rows"] = columns_block("token_capture_rows")
+    out["columns:dataplane_rows"] = columns_block("dataplane_rows")
     out["kinds"] = kinds_block()
     out["constants"] = constants_block()
     out["vectors"] = vectors_block()

@@ -77,9 +77,10 @@ class _DurableFile(WriteStream):
     ``where``, never as a bare ``OSError``: callers up to ``publish`` handle one error type.
     """
 
-    def __init__(self, path: Path, created_dirs: list[Path], where: str) -> None:
+    def __init__(self, path: Path, created_dirs: list[Path], where: str, sync_folder: bool = True) -> None:
         self._path = path
         self._created_dirs = created_dirs
+        self._sync_folder = sync_folder
         self._where = where
         self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed in close()
         self.closed = False
@@ -114,7 +115,8 @@ class _DurableFile(WriteStream):
                 os.fsync(self._fh.fileno())  # where a disk that allocates late reports it is full
             finally:
                 self._fh.close()
-            _fsync_dir(self._path.parent)
+            if self._sync_folder:
+                _fsync_dir(self._path.parent)
             for d in self._created_dirs:  # make each new folder's entry durable in its parent
                 _fsync_dir(d.parent)
         except OSError as exc:
@@ -209,10 +211,14 @@ class LocalStore(Store):
             raise _io_error(self.display(key), "create", exc) from exc
 
     def _write_tmp(self, key: str, folder: Path, data: bytes) -> tuple[Path, list[Path]]:
-        """Write ``data`` durably to a temporary file beside ``key``'s final name."""
+        """Write ``data`` durably to a temporary file beside ``key``'s final name.
+
+        Only the bytes are made durable: the temporary name is renamed or linked away next, and the
+        caller fsyncs the folder after that (one folder fsync per write, not two).
+        """
         created = self._makedirs(folder)
         tmp = folder / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        with _DurableFile(tmp, [], self.display(key)) as fh:  # the key is what the caller knows
+        with _DurableFile(tmp, [], self.display(key), sync_folder=False) as fh:  # the key is what the caller knows
             fh.write(data)
         return tmp, created
 

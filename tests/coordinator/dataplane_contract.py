@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 
 from coordinator import FILE_NAMES, DataPlane, DataPlaneNotEmptyError, Objects, Ragged
-from schemas.errors import InvalidRecordError
+from coordinator.data_plane import layout_of
+from coordinator.row_kinds import DATAPLANE, TOKEN_CAPTURE, TRAINING
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
 from snapformat import SnapshotStore, verify_snapshot
 
 TOKEN_PARTITION = "tokens"
+STAGING_PARTITION = "token_capture_staging"
 
 
 class Harness:
@@ -125,6 +128,46 @@ def fill(h: Harness, seed: int = 0) -> None:
     h.delete("drained", ["gone"])
 
 
+def staging_fields(rng: np.random.Generator, n: int, *, dense: bool = False, mask: str = "int8",
+                   ids: str = "int64") -> dict[str, Any]:
+    """NeMo-RL's token-capture staging rows as it keeps them in TransferQueue: per row 1-D deltas of
+    token ids, loss mask and generation log probs (ragged, or dense ``[N, L]`` when every delta has
+    one length) and per-row scalars. float32 log probs here (numpy has no bfloat16: TQ's own test
+    adds it)."""
+    lens = np.full(n, 6) if dense else rng.integers(1, 9, n)
+    prev = rng.integers(0, 50, n)
+
+    def per_row(make):
+        rows = [make(k) for k in lens]
+        return np.stack(rows) if dense else Ragged(rows)
+
+    return {
+        "token_ids_delta": per_row(lambda k: rng.integers(0, 150_000, k).astype(ids)),
+        "token_mask_delta": per_row(lambda k: (rng.random(k) < 0.7).astype(mask)),
+        "generation_logprobs_delta": per_row(lambda k: (-rng.random(k)).astype(np.float32)),
+        "prev_len": prev.astype(np.int64),
+        "delta_len": lens.astype(np.int64),
+        "cum_len": (prev + lens).astype(np.int64),
+        "weight_version": np.full(n, 3, dtype=np.int64),
+    }
+
+
+def staging_tags(n: int, start: int = 0) -> list[dict[str, Any]]:
+    """Tags of staging rows: they name the rollout and attempt (as training rows do) but a staging row
+    has no ``input_ids``, so its partition is not training rows."""
+    return [{"rollout_id": f"p{(start + i) // 2}_g0", "attempt_index": 0, "turn": (start + i) % 2,
+             "done": bool(i % 2)} for i in range(n)]
+
+
+def rows_in(snap, kind: str):
+    """The rows of ``kind`` of a snapshot (every file of it), with its layout, or None when it has none."""
+    entries = snap.files(kind)
+    if not entries:
+        return None
+    tables = [snap.open_rows(e).read_all() for e in entries]
+    return tables[0] if len(tables) == 1 else tables
+
+
 def publish_cut(plane: DataPlane, cut, root: Path, prefix: str = "tq"):
     store = SnapshotStore(str(root))
     draft = store.begin()
@@ -144,7 +187,8 @@ class DataPlaneContract:
         assert cut.rows == {"training_rows": 37, "token_capture_rows": 6}
         assert set(cut.partitions) == {"train", "val", TOKEN_PARTITION, "drained"}
         snap, entries = publish_cut(harness.plane, cut, tmp_path / "store")
-        assert sorted(e.path for e in entries) == sorted(f"tq/{n}" for n in FILE_NAMES.values())
+        assert sorted(e.path for e in entries) == sorted(f"tq/{FILE_NAMES[k]}" for k in (TRAINING, TOKEN_CAPTURE))
+        assert snap.manifest.required_features == []  # no dataplane_rows: a 1.0 reader reads it
         report = verify_snapshot(snap)
         assert report.ok, report.problems
 
@@ -226,12 +270,82 @@ class DataPlaneContract:
             harness.plane.load(snap, "tq")
         assert_same(before, harness.contents())
 
-    def test_row_without_a_required_column_is_refused_on_write(self, harness: Harness, tmp_path: Path) -> None:
+    def test_a_partition_with_a_row_lacking_a_training_column_is_kept_as_dataplane_rows(
+            self, harness: Harness, tmp_path: Path) -> None:
+        """A key with no fields yet: its partition is not training rows in this snapshot (it was an
+        error before), but it is kept whole, and comes back exactly."""
         rng = np.random.default_rng(3)
         harness.put("train", ["full"], training_fields(rng, 1), training_tags(1))
-        harness.put("train", ["bare"], None, [{"rollout_id": "p9_g0", "attempt_index": 0}])  # a key with no fields yet
+        harness.put("train", ["bare"], None, [{"rollout_id": "p9_g0", "attempt_index": 0}])
+        before = harness.contents()
         cut = harness.plane.cut()
-        store = SnapshotStore(str(tmp_path / "store"))
-        part = store.begin().part("tq", writer="tq")
-        with pytest.raises(InvalidRecordError, match=r"'bare'.*input_ids"):
-            harness.plane.write_cut(cut, part)
+        assert cut.rows == {TRAINING: 0, TOKEN_CAPTURE: 0, DATAPLANE: 2}
+        snap, _ = publish_cut(harness.plane, cut, tmp_path / "store")
+        assert snap.manifest.required_features == [DATAPLANE] and verify_snapshot(snap).ok
+        assert rows_in(snap, DATAPLANE).column("key").to_pylist() == ["full", "bare"]
+        harness.plane.clear()
+        harness.plane.load(snap, "tq")
+        assert_same(before, harness.contents())
+
+    @pytest.mark.parametrize(("dense", "mask"), [(False, "int8"), (True, "bool"), (False, "bool"), (True, "int8")])
+    def test_staging_rows_round_trip_as_dataplane_rows(self, harness: Harness, tmp_path: Path, dense: bool,
+                                                       mask: str) -> None:
+        rng = np.random.default_rng(11)
+        harness.put(STAGING_PARTITION, [f"s{i}" for i in range(5)], staging_fields(rng, 5, dense=dense, mask=mask),
+                    staging_tags(5))
+        harness.put(STAGING_PARTITION, ["s5", "s6"], staging_fields(rng, 2, dense=dense, mask=mask), staging_tags(2, 5))
+        before = harness.contents()
+        cut = harness.plane.cut()
+        assert cut.rows == {TRAINING: 0, TOKEN_CAPTURE: 0, DATAPLANE: 7}
+        snap, entries = publish_cut(harness.plane, cut, tmp_path / "store")
+        assert f"tq/{FILE_NAMES[DATAPLANE]}" in [e.path for e in entries]
+        assert snap.manifest.required_features == [DATAPLANE]
+        report = verify_snapshot(snap)
+        assert report.ok, report.problems
+        table = rows_in(snap, DATAPLANE)
+        assert table.column_names[:3] == ["key", "partition_id", "row_tags"]
+        assert table.column("key").to_pylist() == [f"s{i}" for i in range(7)]
+        assert table.schema.field("token_ids_delta").type.value_type.bit_width == 64  # kept as int64
+        layout = layout_of(table.schema)  # the layout survives snapformat's writer
+        assert layout["kind"] == DATAPLANE and [p["id"] for p in layout["partitions"]] == [STAGING_PARTITION]
+        assert layout["partitions"][0]["fields"]["token_mask_delta"]["dtype"] == mask
+        harness.plane.clear()
+        loaded = harness.plane.load(snap, "tq")
+        assert loaded.rows == {TRAINING: 0, TOKEN_CAPTURE: 0, DATAPLANE: 7}
+        assert_same(before, harness.contents())
+        again = harness.plane.cut()
+        for kind, t in cut.tables.items():
+            assert again.tables[kind].equals(t, check_metadata=True), kind
+
+    def test_training_and_staging_partitions_in_one_save(self, harness: Harness, tmp_path: Path) -> None:
+        """Training, token-capture and staging partitions side by side: each goes to its table, the
+        typed tables are what they were without the staging rows, and the whole data plane (partition
+        order across tables included) comes back exactly. A second staging partition's token ids are
+        int32: its column cannot share the first one's, so it gets a column of its own."""
+        fill(harness)
+        baseline = harness.plane.cut()
+        rng = np.random.default_rng(12)
+        harness.put(STAGING_PARTITION, [f"s{i}" for i in range(4)], staging_fields(rng, 4), staging_tags(4))
+        harness.put("staging-b", ["b0", "b1", "b2"], staging_fields(rng, 3, dense=True, ids="int32"), staging_tags(3))
+        harness.put("val", ["v7"], training_fields(rng, 1), training_tags(1, 7, "q"))  # after the staging puts
+        before = harness.contents()
+        cut = harness.plane.cut()
+        assert cut.rows == {TRAINING: 38, TOKEN_CAPTURE: 6, DATAPLANE: 7}
+        snap, _ = publish_cut(harness.plane, cut, tmp_path / "store")
+        assert snap.manifest.required_features == [DATAPLANE]
+        report = verify_snapshot(snap)
+        assert report.ok, report.problems
+        training = rows_in(snap, TRAINING)
+        assert [p["id"] for p in layout_of(training.schema)["partitions"]] == ["train", "val", "drained"]
+        without_v7 = cut.tables[TRAINING].filter(pc.not_equal(cut.tables[TRAINING].column("key"), "v7"))
+        assert without_v7.equals(baseline.tables[TRAINING], check_metadata=True)
+        assert cut.tables[TOKEN_CAPTURE].equals(baseline.tables[TOKEN_CAPTURE], check_metadata=True)
+        staged = rows_in(snap, DATAPLANE)
+        layout = layout_of(staged.schema)
+        assert [p["id"] for p in layout["partitions"]] == [STAGING_PARTITION, "staging-b"]
+        moved = layout["partitions"][1]["fields"]["token_ids_delta"]
+        assert moved["column"] == "token_ids_delta@staging-b" and moved["dtype"] == "int32"
+        assert "column" not in layout["partitions"][0]["fields"]["token_ids_delta"]
+        harness.plane.clear()
+        harness.plane.load(snap, "tq")
+        assert_same(before, harness.contents())

@@ -20,7 +20,7 @@ from dataplane_contract import (
 
 from coordinator import InMemoryDataPlane, Objects, Ragged
 from coordinator.data_plane import (
-    TAGS_COLUMN, TRAINING, FieldData, FieldSpec, PartitionRows, RowGroup, build_table, check_json_value,
+    DATAPLANE, TAGS_COLUMN, TRAINING, FieldData, FieldSpec, PartitionRows, RowGroup, build_table, check_json_value,
     group_by_presence, layout_of, parse_table,
 )
 from schemas.errors import InvalidRecordError
@@ -98,7 +98,7 @@ def test_json_values_that_survive_are_kept_as_is() -> None:
     value = {"nan": float("nan"), "big": 2**70, "s": "é\n", "l": [None, True, 1.5]}
     plane.put("p", ["a"], {"obj": Objects([value])}, [{"nested": value}])
     cut = plane.cut()
-    parts = parse_table(cut.tables["training_rows"], "t")
+    parts = parse_table(cut.tables[DATAPLANE], "t")  # not training rows: no input_ids
     got = parts[0].groups[0].fields["obj"].values[0]
     assert json.dumps(got, sort_keys=True) == json.dumps(value, sort_keys=True)
     assert parts[0].tags[0]["nested"]["big"] == 2**70
@@ -119,15 +119,30 @@ def test_field_spec_rejects_nonsense() -> None:
         FieldSpec("tensor", "int32", 0, (), nested=True)
 
 
-def test_reserved_field_names_and_conflicting_types_are_refused() -> None:
+def test_reserved_field_names_and_conflicting_types_are_refused_in_a_typed_table() -> None:
     spec = FieldSpec("tensor", "int32", 0)
     with pytest.raises(InvalidRecordError, match="reserved"):
         build_table("training_rows", [PartitionRows("p", [], [], {TAGS_COLUMN: spec})])
     plane = InMemoryDataPlane()
     plane.put("a", ["k"], {"x": np.array([1], np.int32)})
     plane.put("b", ["k"], {"x": np.array([[1]], np.int32)})
+    parts = parse_table(plane.cut().tables[DATAPLANE], "t")
     with pytest.raises(InvalidRecordError, match="one column"):
-        plane.cut()
+        build_table(TRAINING, parts)
+
+
+def test_the_generic_table_keeps_reserved_names_and_conflicting_types_in_columns_of_their_own() -> None:
+    plane = InMemoryDataPlane()
+    plane.put("a", ["k"], {"x": np.array([1], np.int32), "key": Objects(["mine"])})
+    plane.put("b", ["k"], {"x": np.array([[1]], np.int32), "row_tags": np.array([2.5])})
+    table = plane.cut().tables[DATAPLANE]
+    assert table.column_names == ["key", "partition_id", "row_tags", "key@a", "row_tags@b", "x", "x@b"]
+    fields = {p["id"]: p["fields"] for p in layout_of(table.schema)["partitions"]}
+    assert fields["a"]["key"]["column"] == "key@a" and "column" not in fields["a"]["x"]
+    assert fields["b"]["x"]["column"] == "x@b" and fields["b"]["row_tags"]["column"] == "row_tags@b"
+    parts = parse_table(table, "t")
+    assert parts[0].groups[0].fields["key"].values == ["mine"]
+    assert parts[1].groups[0].fields["x"].values.tolist() == [1] and parts[1].specs["x"].ndim == 1
 
 
 def test_layout_rides_on_the_tags_column_through_snapformat(tmp_path: Path) -> None:
@@ -167,7 +182,7 @@ def test_column_cast_back_must_be_exact() -> None:
     """A layout claiming a narrower dtype than the stored values is refused, not silently wrapped."""
     plane = InMemoryDataPlane()
     plane.put("p", ["a"], {"x": np.array([300], np.int32)}, [{"rollout_id": "r", "attempt_index": 0}])
-    table = plane.cut().tables["training_rows"]
+    table = plane.cut().tables[DATAPLANE]
     layout = layout_of(table.schema)
     layout["partitions"][0]["fields"]["x"]["dtype"] = "int8"
     i = table.schema.get_field_index(TAGS_COLUMN)
@@ -180,10 +195,10 @@ def test_column_cast_back_must_be_exact() -> None:
 def test_dense_field_keeps_its_layout_in_memory() -> None:
     plane = InMemoryDataPlane()
     plane.put("p", ["a", "b"], {"d": np.zeros((2, 3), np.float32), "r": Ragged([np.zeros(1), np.zeros(2)])})
-    parts = parse_table(plane.cut().tables["training_rows"], "t")
+    parts = parse_table(plane.cut().tables[DATAPLANE], "t")
     assert parts[0].specs["d"] == FieldSpec("tensor", "float32", 1, (), False)
     assert parts[0].specs["r"] == FieldSpec("tensor", "float64", 1, (), True)
-    assert pa.types.is_list(plane.cut().tables["training_rows"].schema.field("d").type)
+    assert pa.types.is_list(plane.cut().tables[DATAPLANE].schema.field("d").type)
 
 
 def test_a_column_that_is_a_field_in_one_partition_and_a_tag_in_another_must_agree_on_its_type() -> None:

@@ -17,17 +17,18 @@ import pytest
 import torch
 import transfer_queue as tq
 from dataplane_contract import (
-    TOKEN_PARTITION, DataPlaneContract, Harness, norm_object, norm_tensor, publish_cut, training_tags,
+    STAGING_PARTITION, TOKEN_PARTITION, DataPlaneContract, Harness, norm_object, norm_tensor, publish_cut, rows_in,
+    staging_tags, training_fields, training_tags,
 )
 from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorStack
 
 from coordinator import DataPlaneChangedError, Objects, Ragged
 from coordinator import tq_adapter
-from coordinator.data_plane import write_cut
+from coordinator.data_plane import layout_of, write_cut
+from coordinator.row_kinds import DATAPLANE
 from coordinator.tq_adapter import TQDataPlane
-from schemas.errors import InvalidRecordError
-from snapformat import verify_snapshot
+from snapformat import SnapshotStore, verify_snapshot
 
 
 def _to_torch(value: Any, n: int) -> Any:
@@ -176,6 +177,60 @@ def test_torch_only_dtypes_and_dense_layout_round_trip(tq_plane: TQDataPlane, tm
     assert h.contents() == before
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_nemo_rl_staging_rows_with_bfloat16_log_probs_round_trip(tq_plane: TQDataPlane, tmp_path: Path,
+                                                                 dense: bool) -> None:
+    """NeMo-RL's token-capture staging rows as it puts them into TQ itself (torch tensors: int64 token
+    ids, bool masks, bfloat16 log probs; ragged or dense), next to training rows the adapter put: one
+    save (window by window, the staging rows read back out of TQ) keeps both, and a restore gives TQ
+    back every key in order, tag, dtype, shape, value and dense/ragged flag."""
+    h = TQHarness(tq_plane)
+    n = 6
+    g = torch.Generator().manual_seed(1)
+    lens = [4] * n if dense else [k % 4 + 1 for k in range(n)]
+
+    def per_row(make):
+        rows = [make(k) for k in lens]
+        return torch.stack(rows) if dense else torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+    prev = torch.arange(n, dtype=torch.int64) * 10
+    staging = {
+        "token_ids_delta": per_row(lambda k: torch.randint(0, 150_000, (k,), generator=g, dtype=torch.int64)),
+        "token_mask_delta": per_row(lambda k: torch.rand(k, generator=g) < 0.5),
+        "generation_logprobs_delta": per_row(lambda k: (-torch.rand(k, generator=g)).to(torch.bfloat16)),
+        "prev_len": prev,
+        "delta_len": torch.tensor(lens, dtype=torch.int64),
+        "cum_len": prev + torch.tensor(lens, dtype=torch.int64),
+        "weight_version": torch.full((n,), 2, dtype=torch.int64),
+    }
+    tq_plane.put("train", [f"t{i}" for i in range(3)], training_fields(np.random.default_rng(0), 3), training_tags(3))
+    h.put(STAGING_PARTITION, [f"s{i}" for i in range(n)], staging, staging_tags(n))
+    before = h.contents()
+    assert before[STAGING_PARTITION]["layout"]["generation_logprobs_delta"] == ("bfloat16", not dense)
+    store = SnapshotStore(str(tmp_path / "s"))
+    draft = store.begin()
+    written = tq_plane.deferred_cut().write(draft.part("tq", writer="tq"))
+    draft.publish()
+    snap = store.latest()
+    assert dict(written.rows) == {"training_rows": 3, "token_capture_rows": 0, DATAPLANE: n}
+    assert snap.manifest.required_features == [DATAPLANE]
+    report = verify_snapshot(snap)
+    assert report.ok, report.problems
+    table = rows_in(snap, DATAPLANE)
+    fields = layout_of(table.schema)["partitions"][0]["fields"]
+    assert fields["generation_logprobs_delta"] == {"type": "tensor", "dtype": "bfloat16", "ndim": 1, "inner": [],
+                                                   "nested": not dense}
+    assert fields["token_mask_delta"]["dtype"] == "bool" and fields["token_ids_delta"]["dtype"] == "int64"
+    # bfloat16 is stored as its exact float32 value: a reader of the file sees the log probs as numbers.
+    lp = staging["generation_logprobs_delta"]
+    expected = [r.float().tolist() for r in (lp.unbind() if lp.is_nested else lp)]
+    assert table.column("generation_logprobs_delta").to_pylist() == expected
+    assert [json.loads(t) for t in table.column("row_tags").to_pylist()] == staging_tags(n)
+    tq_plane.clear()
+    tq_plane.load(snap, "tq")
+    assert h.contents() == before
+
+
 def test_cut_refuses_rows_changing_underneath(tq_plane: TQDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
     h = TQHarness(tq_plane)  # puts straight into TQ: the cut reads these values back, so it lists twice
     h.put("train", ["a"], {"input_lengths": np.array([1], np.int32)}, training_tags(1))
@@ -249,7 +304,9 @@ def test_ray_and_tq_listen_on_loopback_only(tq_runtime) -> None:
 
 
 def _put_some(plane: TQDataPlane, pid: str, keys: list[str]) -> None:
-    plane.put(pid, keys, {"input_ids": Ragged([np.arange(i + 1, dtype=np.int32) for i in range(len(keys))])},
+    """Training rows (every column a training row requires: a tag or a field)."""
+    plane.put(pid, keys, {"input_ids": Ragged([np.arange(i + 1, dtype=np.int32) for i in range(len(keys))]),
+                          "input_lengths": np.arange(1, len(keys) + 1, dtype=np.int32)},
               [{"rollout_id": k, "attempt_index": 0} for k in keys])
 
 
@@ -341,9 +398,9 @@ def _mixed_producers(tq_plane: TQDataPlane, complete: bool = False) -> None:
 
 
 def test_keys_put_by_another_producer_are_read_from_tq_between_captured_ones(tq_plane, tq_runtime) -> None:
-    _mixed_producers(tq_plane)
+    _mixed_producers(tq_plane)  # g and h lack input_ids: the partition is kept as dataplane_rows
     cut = tq_plane.deferred_cut().materialize()
-    assert cut.tables["training_rows"].column("key").to_pylist() == ["a", "b", "c", "d", "f", "g", "h"]
+    assert cut.tables[DATAPLANE].column("key").to_pylist() == ["a", "b", "c", "d", "f", "g", "h"]
     _tables_equal(cut, _uncaptured(tq_runtime).cut())
 
 
@@ -351,7 +408,6 @@ def test_a_save_writes_the_rows_window_by_window_and_they_are_the_rows_read_from
         tq_plane, tq_runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import functools
 
-    from snapformat import SnapshotStore
 
     _mixed_producers(tq_plane)
     windows: list[int] = []
@@ -368,29 +424,29 @@ def test_a_save_writes_the_rows_window_by_window_and_they_are_the_rows_read_from
         return dataclasses.replace(src, windows=seen)
 
     monkeypatch.setattr(tq_adapter, "plan_source", counted)
-    store = SnapshotStore(str(tmp_path / "s"))
-    draft = store.begin()
-    with pytest.raises(InvalidRecordError, match=r"row 5 \(partition 'train', key 'g'\) has no field or tag 'input_ids'"):
-        tq_plane.deferred_cut().write(draft.part("tq", writer="tq"))  # g: the third window's second row
-    draft.abandon()
-    assert store.latest() is None
-    tq_plane.clear()
-    _mixed_producers(tq_plane, complete=True)
-    windows.clear()
-    draft = store.begin()
-    written = tq_plane.deferred_cut().write(draft.part("tq", writer="tq"))
-    draft.publish()
-    snap = store.latest()
-    assert windows == [2, 2, 2, 1] and dict(written.rows) == {"training_rows": 7, "token_capture_rows": 0}
-    other = SnapshotStore(str(tmp_path / "from-tq"))
-    draft = other.begin()
-    write_cut(_uncaptured(tq_runtime).cut(), draft.part("tq", writer="tq"))  # every row read out of TQ, whole
-    draft.publish()
-    expected = other.latest()
-    for kind in ("training_rows", "token_capture_rows"):
-        (entry,) = [e for e in snap.files() if e.kind == kind]
-        (theirs,) = [e for e in expected.files() if e.kind == kind]
-        assert snap.open_rows(entry).read_all().equals(expected.open_rows(theirs).read_all(), check_metadata=True)
+    # g and h (the third window's second row and the fourth) lack input_ids: the partition is known
+    # to be dataplane_rows before any window is built, and written as such; then complete, training rows.
+    for complete, kinds in ((False, {"training_rows": 0, "token_capture_rows": 0, DATAPLANE: 7}),
+                            (True, {"training_rows": 7, "token_capture_rows": 0})):
+        tq_plane.clear()
+        _mixed_producers(tq_plane, complete=complete)
+        windows.clear()
+        store = SnapshotStore(str(tmp_path / f"s-{complete}"))
+        draft = store.begin()
+        written = tq_plane.deferred_cut().write(draft.part("tq", writer="tq"))
+        draft.publish()
+        snap = store.latest()
+        assert windows == [2, 2, 2, 1] and dict(written.rows) == kinds
+        assert snap.manifest.required_features == ([] if complete else [DATAPLANE])
+        other = SnapshotStore(str(tmp_path / f"from-tq-{complete}"))
+        draft = other.begin()
+        write_cut(_uncaptured(tq_runtime).cut(), draft.part("tq", writer="tq"))  # every row read out of TQ, whole
+        draft.publish()
+        expected = other.latest()
+        for kind in kinds:
+            (entry,) = [e for e in snap.files() if e.kind == kind]
+            (theirs,) = [e for e in expected.files() if e.kind == kind]
+            assert snap.open_rows(entry).read_all().equals(expected.open_rows(theirs).read_all(), check_metadata=True)
 
 
 def test_captured_rows_removed_after_the_pause_still_reach_that_cut_and_are_dropped_by_the_next(
@@ -410,7 +466,7 @@ def test_past_its_memory_bound_the_capture_keeps_nothing_more_and_saves_read_the
     plane = TQDataPlane(capture_max_bytes=40)
     plane.clear()
     try:
-        _put_some(plane, "train", ["a"])  # 4 bytes of values + 16 of offsets: kept
+        _put_some(plane, "train", ["a"])  # 4 + 4 bytes of values + 16 of offsets: kept
         _put_some(plane, "train", ["b", "c"])  # would pass 40 bytes: not kept
         gets: list[list[str]] = []
         real = tq_adapter._TQ.get

@@ -19,10 +19,11 @@ import pyarrow as pa
 
 from coordinator.data_plane import (
     TRAINING, FieldData, FieldSpec, PartitionRows, Ragged, RowGroup, build_table, field_data, rows_of, table_schema,
-    unify_specs, window_table,
+    unify_specs, whole_source, window_table,
 )
 from coordinator import tq_capture
-from coordinator.tq_capture import RowCapture, assemble, plan_source
+from coordinator.row_kinds import fields_every_row_holds
+from coordinator.tq_capture import RowCapture, assemble, plan_full_fields, plan_source
 
 FIELDS = ("ids", "score", "note", "dense", "word")
 
@@ -125,6 +126,10 @@ def _check_windows(plan, missed, part: PartitionRows, window: int) -> None:
     (dense become ragged, objects kept as JSON, decided over the whole partition) and values."""
     whole = build_table(TRAINING, [part], [3])
     src = plan_source(plan, 3, missed, window_rows=window)
+    # Which table the partition goes to is decided from the plan alone, as from the assembled rows.
+    held = fields_every_row_holds(((g.fields, len(g.rows)) for g in part.groups), len(part.keys))
+    assert plan_full_fields(plan, missed) == held
+    assert src.training_misfit == whole_source(part, 3).training_misfit
     schema = table_schema(TRAINING, [src])
     assert schema.equals(whole.schema, check_metadata=True)
     windows = list(src.windows())

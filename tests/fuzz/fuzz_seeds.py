@@ -1,4 +1,5 @@
-"""Seeds from the golden store ``spec/examples/store-v1``, and a store in memory that serves them.
+"""Seeds from the golden store ``spec/examples/store-v1.1`` (the current writer's), and a store in
+memory that serves them.
 
 Every fuzzer starts from real files a writer of this version produced, so mutations land in the
 parsers' deep paths instead of failing at the first byte. The store in memory swaps one file per
@@ -23,7 +24,7 @@ from snapformat.checksum import checksum_bytes
 from snapformat.reader import Snapshot
 from snapformat.store.base import ObjectInfo, Store
 
-GOLDEN = Path(__file__).resolve().parents[2] / "spec" / "examples" / "store-v1"
+GOLDEN = Path(__file__).resolve().parents[2] / "spec" / "examples" / "store-v1.1"
 SEQUENCES = (1, 2)
 
 

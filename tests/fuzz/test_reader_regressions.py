@@ -149,7 +149,13 @@ def test_undecodable_json_line_is_a_typed_error_naming_the_line(kind: str, mutat
     listed = with_bytes(entry, stored, compression=compression,
                         content_size=len(content) if compression == "zstd" else None)
     snap = snapshot_with(seq, listed, stored)
-    with pytest.raises(CorruptSnapshotError) as err:
+    if kind == "continuations" and mutation == "nested too deep":
+        # Gym's continuation line refuses unknown fields: the deep value is refused by its key,
+        # before the decoder descends into it.
+        error, words = InvalidRecordError, "unknown field `unknown`"
+    else:
+        error = CorruptSnapshotError
+    with pytest.raises(error) as err:
         snap.records(entry.path)
     assert str(err.value).startswith(f"{snap.where(entry)}: line 3: ") and words in str(err.value)
 
@@ -240,7 +246,8 @@ def test_null_generation_list_is_reported_not_a_type_error() -> None:
     values = table.column(i).to_pylist()
     values[0] = None
     table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
-    null_column = r"row 0: column 'generation_token_ids' is null \(expected a list<item: int32> value"
+    # A version-1 file, checked against the current canonical type (int64 ids)
+    null_column = r"row 0: column 'generation_token_ids' is null \(expected a list<item: int64> value"
     with pytest.raises(InvalidRecordError, match=null_column):
         validate_batch("token_capture_rows", table.combine_chunks().to_batches()[0], "batch")
     snap, entry = _rows_snapshot("token_capture_rows", table)

@@ -7,12 +7,17 @@ The test drives the protocol itself, call by call, in the documented order (no c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
+from nemo_gym.token_id_capture.records import TokenEntry, compute_digest, cumulative_tokens
+
+from gymkit.token_store import TokenStore
 from refgym.client import ok
 from schemas.identity import capture_key
 from snapformat import SnapshotStore, open_snapshot, verify_snapshot
+from snapformat.token_rows import iter_entries
 from refgym.testing import Fleet, Spec, commit_answer, gym_commit, wait_until
 
 TURNS = 4
@@ -21,6 +26,16 @@ FINISHED = [Spec(f"done{i}", seed=100 + i, turns=2) for i in range(4)]
 # In flight at the snapshot; every fourth also uses the restart-only sandbox.
 IN_FLIGHT = [Spec(f"p{i // 4}_g{i % 4}", seed=i, turns=TURNS, tools=("notes", "sandbox") if i % 4 == 3 else ("notes",))
              for i in range(12)]
+
+
+async def _captured(url: str, keys: set[str]) -> dict[tuple[str, str], dict]:
+    """Every TokenEntry the store holds for ``keys``, read as a trainer would (a fresh instance)."""
+    store = TokenStore(url)
+    try:
+        frozen = [await store.freeze_records(k) for k in sorted(keys)]
+    finally:
+        await store.close()
+    return {(e["rollout_id"], e["model_call_id"]): e for f in frozen for e in f.entries}
 
 
 def call_index(call_id: str | None) -> int:
@@ -65,6 +80,23 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
     states = {s.rollout_id: s for s in snap.records("agent_state")}
     saved_ledger = {(e.capture_key, e.model_call_id) for e in snap.records("ledger")}
     saved_sessions = {s.session_id: s.state_revision for s in snap.records("sessions")}
+    # Gym's own code judges the model server's token records: each validates as Gym's TokenEntry
+    # unchanged, and its digest is Gym's compute_digest of its cumulative tokens.
+    (tokens,) = snap.files("token_capture_rows")
+    for entry in iter_entries(snap.open_rows(tokens), tokens.path):
+        gym_entry = TokenEntry.model_validate(entry)
+        assert gym_entry.model_dump(mode="json") == entry
+        assert gym_entry.digest == compute_digest(cumulative_tokens(gym_entry))
+    # The model server captured every call through its token store (Gym's TokenSink) before answering;
+    # the snapshot's part is a copy of the committed ones, equal to what the store holds.
+    committed = list(iter_entries(snap.open_rows(tokens), tokens.path))
+    captured = asyncio.run(_captured(gym.token_store, {e["rollout_id"] for e in committed}))
+    for entry in committed:
+        assert captured[(entry["rollout_id"], entry["model_call_id"])] == entry
+    # Sessions name their resource server as the participant and the continuations do.
+    resource_name = gym.resource.caps.name
+    assert {s.resource for s in snap.records("sessions")} == {resource_name}
+    assert {name for c in snap.records("continuations") for name in (c.resource_state_revisions or {})} <= {resource_name}
     # Finished results: the acknowledged ones are gone, the others are kept as unacknowledged.
     assert {"done2", "done3"} <= {rid for rid, s in states.items() if s.status == "finished_unacked"}
     assert not {"done0", "done1"} & set(states)

@@ -249,7 +249,7 @@ def test_refused_restores_change_nothing_then_a_good_one_continues_every_rollout
     bad = SnapshotStore(str(tmp_path / "bad")).begin()
     part = bad.part("gym/agent/agent0")
     part.write_records("continuations", "continuations", [UncheckedContinuation(
-        rollout_id="q9", attempt_index=0, capture_key="q9-a1", last_committed_model_call_id=None,
+        rollout_id="q9", attempt_index=0, capture_key="q9-a1", last_committed_model_call_id="call-0",
         resource_state_revisions=None)])
     part.write_records("agent_state", "agent_state", [AgentStateRecord(
         rollout_id="q9", attempt_index=0, capture_key="q9", status="parked", turn_index=0, state={})])

@@ -1,9 +1,11 @@
 """Identifier rules shared with NeMo Gym, and the safe-path rule.
 
-Proves, with Hypothesis properties against an independent statement of each rule, that:
-- a rollout id is accepted exactly when it matches ``^[A-Za-z0-9][A-Za-z0-9._-]*$`` and does not
-  end in ``-a<N>``;
-- the capture key of attempt 0 is the rollout id, of attempt n >= 1 ``<rollout_id>-a<n>``;
+Proves, with Hypothesis properties judged by released NeMo Gym's own ``EpisodeId`` (nemo-gym
+0.7.0, a test-only dependency), that:
+- a rollout id is accepted exactly when Gym accepts it (``^[A-Za-z0-9][A-Za-z0-9._-]*$`` as a
+  whole-string match, not ending in the reserved ``-a[1-9][0-9]*``), up to our one extra limit of
+  200 characters (a rollout id becomes a path segment);
+- the capture key of an attempt is Gym's, and :func:`split_capture_key` inverts it;
 - ``check_capture_key`` accepts ``<rid>-a<N>`` only with ``1 <= N <= attempt_index``;
 - a relative path is accepted when every segment is a safe name, and refused (``InvalidPathError``)
   when it holds ``..``, is absolute, holds NUL or a backslash, or has an empty segment.
@@ -18,20 +20,28 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from schemas.errors import InvalidPathError, InvalidRecordError, SnapshotError
+from nemo_gym.episode_types import EpisodeId
+from pydantic import ValidationError
+
 from schemas.identity import (
     MAX_NAME_LEN, capture_key, check_capture_key, check_name, check_relative_path, check_rollout_id,
+    split_capture_key,
 )
 
-# The rule as Gym states it, written independently of the implementation under test.
-GYM_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-GYM_SUFFIX = re.compile(r"-a[0-9]+\Z")
+# Gym's suffix, only to steer generation towards valid ids; acceptance is judged by EpisodeId itself.
+GYM_SUFFIX = re.compile(r"-a[1-9][0-9]*\Z")
 
 ID_FIRST = "abcXYZ019"
 ID_CHARS = "abcXYZ019._-"
 
 
 def gym_accepts(rid: str) -> bool:
-    return bool(GYM_ID.match(rid)) and not GYM_SUFFIX.search(rid) and len(rid) <= MAX_NAME_LEN
+    """Gym's own verdict (its EpisodeId model), within our length limit."""
+    try:
+        EpisodeId(rollout_id=rid, attempt=0)
+    except ValidationError:
+        return False
+    return len(rid) <= MAX_NAME_LEN
 
 
 @st.composite
@@ -62,6 +72,9 @@ def test_valid_rollout_ids_are_accepted(rid: str) -> None:
 @example(text="p7_g2-a1")
 @example(text="p7_g2-a0")
 @example(text="p7_g2-a12")
+@example(text="x-a01")
+@example(text="x-a00")
+@example(text="x-a10")
 @example(text="x\n")
 @example(text="x-a1\n")
 @example(text="a b")
@@ -86,9 +99,12 @@ def test_overlong_rollout_id_is_refused() -> None:
 
 
 @given(rid=rollout_ids(), attempt=st.integers(0, 10_000))
+@example(rid="x-a0", attempt=0)
+@example(rid="x-a01", attempt=3)
 def test_capture_key_of_an_attempt(rid: str, attempt: int) -> None:
     key = capture_key(rid, attempt)
-    assert key == (rid if attempt == 0 else f"{rid}-a{attempt}")
+    assert key == EpisodeId(rollout_id=rid, attempt=attempt).capture_key
+    assert split_capture_key(key) == (rid, attempt)
     # The key a writer derives is always one Gym's check accepts for that attempt.
     assert check_capture_key(rid, key, attempt) == key
 

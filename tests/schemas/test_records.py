@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from schemas.controller import (
     AckOwed, LoaderPlace, PromptGroup, RecoveryLedgerRecord, ReplayIndexEntry, RolloutAttempt,
 )
-from schemas.errors import InvalidRecordError
+from schemas.errors import InvalidRecordError, VersionError
 from schemas.gym_records import (
     AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
 )
@@ -84,7 +84,7 @@ def identities(draw: st.DrawFn) -> dict[str, Any]:
 def continuations() -> st.SearchStrategy[AgentContinuationRoot]:
     return st.builds(lambda ident, call, revs: AgentContinuationRoot(
         **ident, last_committed_model_call_id=call, resource_state_revisions=revs),
-        identities(), st.none() | CALL_IDS, st.none() | st.dictionaries(NAMES, INT64, max_size=4))
+        identities(), CALL_IDS, st.none() | st.dictionaries(TEXT, INT64, max_size=4))
 
 
 def agent_states() -> st.SearchStrategy[AgentStateRecord]:
@@ -107,9 +107,9 @@ def token_index_entries() -> st.SearchStrategy[TokenIndexEntry]:
 
 
 def session_states() -> st.SearchStrategy[SessionStateRecord]:
-    return st.builds(lambda sid, res, rev, rid, state: SessionStateRecord(
-        session_id=sid, resource=res, state_revision=rev, rollout_id=rid, state=state),
-        TEXT, NAMES, NON_NEG, st.none() | ROLLOUT_IDS, JSON_VALUES)
+    return st.builds(lambda sid, res, rev, rid, state, tool: SessionStateRecord(
+        session_id=sid, resource=res, state_revision=rev, rollout_id=rid, state=state, tool=tool),
+        TEXT, NAMES, NON_NEG, st.none() | ROLLOUT_IDS, JSON_VALUES, st.none() | NAMES)
 
 
 def loader_places() -> st.SearchStrategy[LoaderPlace]:
@@ -224,7 +224,9 @@ def test_recovery_ledger_union_refuses_an_unknown_tag() -> None:
         jsonl.decode_json(b'{"record": "mystery", "rollout_id": "p1"}', RecoveryLedgerRecord, "ledger.jsonl")
 
 
-@pytest.mark.parametrize("name", sorted(set(RECORD_CASES) - {"StoreMarker"}))
+# Gym's AgentContinuationRoot is the one persisted record that refuses unknown fields (Gym's rule,
+# tested above); every record of our own ignores them so that a newer minor version can add some.
+@pytest.mark.parametrize("name", sorted(set(RECORD_CASES) - {"StoreMarker", "AgentContinuationRoot"}))
 @settings(max_examples=20, deadline=None)
 @given(data=st.data(), extra=JSON_VALUES)
 def test_unknown_fields_are_ignored(name: str, data: st.DataObject, extra: Any) -> None:
@@ -267,6 +269,39 @@ def test_gym_continuation_line_reads_back_through_a_published_snapshot(tmp_path:
     # The stored line is Gym's line (same JSON value), so Gym itself could read the file.
     stored = (tmp_path / "store" / "snapshots" / snap.manifest.snapshot_id / entry.path).read_bytes()
     assert [json.loads(line) for line in stored.splitlines()] == [json.loads(GYM_LINE)]
+
+
+#: The design note's line as Gym writes it: compact JSON, no spaces (its sha256 covers these bytes).
+GYM_COMPACT_LINE = (b'{"schema_version":1,"rollout_id":"p7_g2","attempt_index":0,"capture_key":"p7_g2",'
+                    b'"last_committed_model_call_id":"call-2","resource_state_revisions":{"tools":3}}')
+
+
+def test_gym_compact_continuation_line_reencodes_to_the_same_bytes() -> None:
+    record = jsonl.decode_json(GYM_COMPACT_LINE, AgentContinuationRoot, "continuations.jsonl")
+    assert msgspec.json.encode(record) == GYM_COMPACT_LINE
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"last_committed_model_call_id": None}, "last_committed_model_call_id"),  # Gym: a non-empty string
+    ({"last_committed_model_call_id": ""}, "last_committed_model_call_id"),
+    ({"surprise": 1}, "surprise"),  # Gym's AgentContinuationRoot forbids unknown fields
+    ({"schema_version": 2}, "schema_version 2"),  # Gym: literal 1 (a VersionError naming both versions)
+])
+def test_a_continuation_gym_would_refuse_is_refused(change: dict[str, Any], field: str) -> None:
+    obj = json.loads(GYM_LINE) | change
+    with pytest.raises((InvalidRecordError, VersionError)) as err:
+        list(jsonl.iter_records(json.dumps(obj).encode() + b"\n", AgentContinuationRoot,
+                                "gym/agent/agent0/continuations.jsonl", "none", None))
+    assert field in str(err.value) and "continuations.jsonl" in str(err.value)
+
+
+def test_a_continuation_without_revisions_defaults_them_to_null_as_gym_does() -> None:
+    obj = json.loads(GYM_LINE)
+    del obj["resource_state_revisions"]
+    record = jsonl.decode_json(json.dumps(obj).encode(), AgentContinuationRoot, "continuations.jsonl")
+    assert record.resource_state_revisions is None
+    obj = json.loads(GYM_LINE) | {"resource_state_revisions": {}}
+    assert jsonl.decode_json(json.dumps(obj).encode(), AgentContinuationRoot, "c").resource_state_revisions == {}
 
 
 @pytest.mark.parametrize("change", [

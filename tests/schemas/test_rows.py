@@ -143,7 +143,7 @@ def _refused(kind: str, batch: pa.RecordBatch) -> str:
     return str(err.value)
 
 
-BAD_ROLLOUT_IDS = ["p7_g2-a1", "", "-p7", ".p7", "p 7", "p7/../x", "p7\n", "p7é", "p7-a0"]
+BAD_ROLLOUT_IDS = ["p7_g2-a1", "", "-p7", ".p7", "p 7", "p7/../x", "p7\n", "p7é", "p7-a10"]
 
 
 @settings(max_examples=30, deadline=None)

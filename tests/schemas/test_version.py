@@ -4,8 +4,9 @@ Each snapshot-level case publishes a real snapshot, then rewrites ``manifest.jso
 and its commit record consistently (size and checksum updated), so that only the version check
 can refuse it; an unchanged rewrite is shown to open. Proves that:
 - a manifest of a newer major version (``2.0``) or with an unknown required feature is refused
-  with ``VersionError`` naming the file, the snapshot's version and this reader's ``1.0``;
-- the same version (``1.0``) and a newer minor without required features (``1.1``) are read;
+  with ``VersionError`` naming the file, the snapshot's version and this reader's (``1.1``);
+- an older, the same or a newer minor version without unknown required features is read;
+- this reader (format 1.1) knows ``dataplane_rows`` and still refuses the reserved ``shared_objects``;
 - a commit record or store marker of another major version is refused the same way;
 - a JSON line (plain or zstd) or loader place with ``schema_version`` 2 is refused with
   ``VersionError``, and one with ``schema_version`` 0 with a typed error, each naming file and line.
@@ -23,7 +24,10 @@ import pytest
 from schemas.controller import LoaderPlace
 from schemas.errors import InvalidRecordError, SnapshotError, VersionError
 from schemas.gym_records import AgentContinuationRoot
-from schemas.version import FORMAT_VERSION, check_readable, check_record_version, parse_version
+from schemas.version import (
+    FORMAT_VERSION, KNOWN_FEATURES, RESERVED_FEATURES, check_readable, check_record_version, features_of_kinds,
+    parse_version,
+)
 from snapformat import SnapshotStore, layout, open_snapshot, verify_snapshot
 from snapformat.checksum import checksum_bytes
 from snapformat.publish import Published
@@ -207,10 +211,32 @@ def test_parse_version() -> None:
 def test_check_readable() -> None:
     check_readable("1.0", [], "m")
     check_readable("1.9", (), "m")
+    check_readable("1.1", ["dataplane_rows"], "m")
     with pytest.raises(VersionError):
         check_readable("2.0", [], "m")
     with pytest.raises(VersionError, match="shared_objects"):
         check_readable("1.0", ["shared_objects"], "m")
+    with pytest.raises(VersionError, match=r"shared_objects \(format version 1.1\); this reader \(format version "
+                                           r"1.1\) knows dataplane_rows"):
+        check_readable("1.1", ["dataplane_rows", "shared_objects"], "m")
+
+
+def test_format_1_1_defines_the_dataplane_rows_feature() -> None:
+    assert FORMAT_VERSION == "1.1"
+    assert KNOWN_FEATURES == {"dataplane_rows"} and not KNOWN_FEATURES & RESERVED_FEATURES
+    assert features_of_kinds(["dataplane_rows", "training_rows"]) == ["dataplane_rows"]
+    assert features_of_kinds(["training_rows", "token_capture_rows", "continuations"]) == []
+
+
+def test_a_1_0_reader_refuses_dataplane_rows_naming_both_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schemas import version
+
+    monkeypatch.setattr(version, "FORMAT_VERSION", "1.0")
+    monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset())
+    version.check_readable("1.1", [], "m")  # a 1.1 snapshot without the feature: readable
+    with pytest.raises(VersionError, match=r"m: requires feature\(s\) dataplane_rows \(format version 1.1\); "
+                                           r"this reader \(format version 1.0\) knows none"):
+        version.check_readable("1.1", ["dataplane_rows"], "m")
 
 
 @pytest.mark.parametrize(("version", "ok"), [(1, True), (0, False), (2, False), (-1, False)])

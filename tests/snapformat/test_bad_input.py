@@ -62,7 +62,7 @@ def draft_files(draft: SnapshotDraft) -> set[str]:
 
 def continuation(i: int) -> AgentContinuationRoot:
     return AgentContinuationRoot(rollout_id=f"p{i}_g0", attempt_index=0, capture_key=f"p{i}_g0",
-                                 last_committed_model_call_id=None, resource_state_revisions=None)
+                                 last_committed_model_call_id="call-0", resource_state_revisions=None)
 
 
 BAD_RECORD_MAKERS: dict[str, Callable[[str, int, str], Any]] = {

@@ -28,6 +28,7 @@ import zstandard
 
 from schemas.errors import CorruptSnapshotError, SnapshotError
 from schemas.gym_records import AgentStateRecord
+from schemas.version import FORMAT_VERSION
 from snapformat import SnapshotStore, layout, verify_snapshot
 from snapformat.checksum import checksum_bytes
 from snapformat.reader import Snapshot
@@ -187,7 +188,8 @@ def test_a_flip_of_any_commit_record_byte_is_refused_or_harmless(example_store: 
     record = json.loads(original)
     committed_at = original.index(json.dumps(record["committed_at"]).encode())
     harmless = set(range(committed_at, committed_at + len(json.dumps(record["committed_at"]))))
-    harmless.add(original.index(b'"1.0"') + 3)  # "1.0" -> "1.1": a newer minor version is still readable
+    # The minor digit: "1.1" -> "1.0" (or "1.0" -> "1.1"): another minor version is still readable.
+    harmless.add(original.index(f'"{FORMAT_VERSION}"'.encode()) + 3)
     shown = str(path.relative_to(example_store))
     for i in range(len(original)):
         path.write_bytes(original[:i] + bytes([original[i] ^ 0x01]) + original[i + 1:])

@@ -31,18 +31,20 @@ from snapformat.checksum import checksum_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
-#: Every column the spec's tables (§12.1, §12.2) mark not nullable, written out so that an empty or
+#: Every column the spec's tables (§12.1-§12.3) mark not nullable, written out so that an empty or
 #: shrunken ``NON_NULLABLE`` fails here instead of parametrizing nothing.
 NOT_NULLABLE = [
     ("token_capture_rows", "schema_version"), ("token_capture_rows", "rollout_id"),
     ("token_capture_rows", "attempt_index"), ("token_capture_rows", "capture_key"),
     ("token_capture_rows", "model_call_id"), ("token_capture_rows", "prompt_token_ids"),
     ("token_capture_rows", "generation_token_ids"), ("token_capture_rows", "generation_log_probs"),
-    ("token_capture_rows", "cum_len"),
     ("training_rows", "key"), ("training_rows", "partition_id"), ("training_rows", "rollout_id"),
     ("training_rows", "attempt_index"), ("training_rows", "input_ids"), ("training_rows", "input_lengths"),
+    ("dataplane_rows", "key"), ("dataplane_rows", "partition_id"),
 ]
 FILES = {"token_capture_rows": "gym/model/policy0/tokens.arrow", "training_rows": "tq/training.arrow"}
+#: The not-nullable columns of the kinds the example snapshot writes (data-plane rows: see tests/coordinator).
+IN_EXAMPLE = [(kind, column) for kind, column in NOT_NULLABLE if kind in FILES]
 CHUNK = 4  # rows per record batch of a crafted file: rows 5 and 6 are rows 1 and 2 of batch 1
 NULL_ROWS = (5, 6)
 
@@ -75,7 +77,7 @@ def _published_table(root: Path, path: str) -> pa.Table:
 
 # ---- validate_batch --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kind", "column"), NOT_NULLABLE)
+@pytest.mark.parametrize(("kind", "column"), IN_EXAMPLE)
 def test_validate_batch_refuses_a_null_naming_column_and_first_row(example_store: Path, kind: str, column: str) -> None:
     table = with_nulls(_published_table(example_store, FILES[kind]), column, (2, 4), declared_nullable=False)
     batch = table.combine_chunks().to_batches()[0]
@@ -95,7 +97,7 @@ def test_nulls_in_nullable_columns_pass(example_store: Path) -> None:
 # ---- writers ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("declared_nullable", [False, True], ids=["declared-not-nullable", "declared-nullable"])
-@pytest.mark.parametrize(("kind", "column"), NOT_NULLABLE)
+@pytest.mark.parametrize(("kind", "column"), IN_EXAMPLE)
 def test_write_rows_refuses_a_null_and_leaves_no_file(example_store: Path, tmp_path: Path, kind: str, column: str,
                                                       declared_nullable: bool) -> None:
     good = _published_table(example_store, FILES[kind])
@@ -149,7 +151,7 @@ def plant(root: Path, path: str, table: pa.Table, rewrite_manifest: Any, same_ba
 
 
 @pytest.mark.parametrize("declared_nullable", [False, True], ids=["declared-not-nullable", "declared-nullable"])
-@pytest.mark.parametrize(("kind", "column"), NOT_NULLABLE)
+@pytest.mark.parametrize(("kind", "column"), IN_EXAMPLE)
 def test_readers_refuse_a_published_file_with_nulls(example_store: Path, rewrite_manifest, kind: str, column: str,
                                                     declared_nullable: bool) -> None:
     path = FILES[kind]
@@ -171,9 +173,10 @@ def test_token_rows_refuse_a_token_file_with_nulls(example_store: Path, rewrite_
     path = FILES["token_capture_rows"]
     original = _published_table(example_store, path)
     key, call = original.column("capture_key")[0].as_py(), original.column("model_call_id")[0].as_py()
-    plant(example_store, path, with_nulls(original, "cum_len", NULL_ROWS, True), rewrite_manifest)
+    plant(example_store, path, with_nulls(original, "prompt_token_ids", NULL_ROWS, True), rewrite_manifest)
     snap = SnapshotStore(str(example_store)).open(1)
-    with pytest.raises(InvalidRecordError, match=r"tokens\.arrow: record batch 1: row 1: column 'cum_len' is null"):
+    with pytest.raises(InvalidRecordError,
+                       match=r"tokens\.arrow: record batch 1: row 1: column 'prompt_token_ids' is null"):
         snap.token_rows(key, call)
 
 

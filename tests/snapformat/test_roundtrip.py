@@ -26,10 +26,15 @@ from hypothesis import strategies as st
 
 from schemas.controller import AckOwed, LoaderPlace, PromptGroup, ReplayIndexEntry, RolloutAttempt
 from schemas.gym_records import (
-    AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
+    AgentContinuationRoot,
+    AgentStateRecord,
+    ModelLedgerEntry,
+    SessionStateRecord,
+    TokenIndexEntry,
 )
 from schemas.identity import capture_key
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
+from schemas.token_entry import token_digest
 from snapformat import SnapshotStore, attach_part, verify_snapshot
 from snapformat.jsonl import ZSTD_THRESHOLD
 
@@ -56,7 +61,7 @@ def identities(draw: st.DrawFn) -> tuple[str, int, str]:
     return rid, attempt, capture_key(rid, draw(st.integers(0, attempt)))
 
 
-def _continuation(ident: tuple[str, int, str], call: str | None, revs: dict[str, int] | None) -> AgentContinuationRoot:
+def _continuation(ident: tuple[str, int, str], call: str, revs: dict[str, int] | None) -> AgentContinuationRoot:
     rid, attempt, key = ident
     return AgentContinuationRoot(rollout_id=rid, attempt_index=attempt, capture_key=key,
                                  last_committed_model_call_id=call, resource_state_revisions=revs)
@@ -92,7 +97,7 @@ def _ledger_record(ident: tuple[str, int, str], which: int, text: str) -> Any:
 #: Records of every JSON-lines kind except ``token_index``, which is derived from the token rows
 #: (an index naming rows that do not exist is a problem ``verify`` must report).
 RECORDS: dict[str, st.SearchStrategy[Any]] = {
-    "continuations": st.builds(_continuation, identities(), st.none() | NAMES,
+    "continuations": st.builds(_continuation, identities(), NAMES,
                                st.none() | st.dictionaries(NAMES, INT64, max_size=3)),
     "agent_state": st.builds(_agent_state, identities(), st.sampled_from(["parked", "finished_unacked"]),
                              NON_NEG, JSON_VALUES),
@@ -112,21 +117,28 @@ TRAINING_EXTRAS = [pa.field("reward", pa.float64())]
 
 @st.composite
 def token_rows(draw: st.DrawFn) -> dict[str, Any]:
+    """Token-capture rows of the current file version (2), lineage stamped by Gym's rules, plus two
+    extra columns a writer may add."""
     rid, attempt, _ = draw(identities())
-    gen = draw(st.lists(st.integers(0, 2**31 - 1), max_size=6))
-    parent = draw(st.none() | NAMES)
+    prompt = draw(st.lists(st.integers(0, 2**63 - 1), max_size=6))
+    gen = draw(st.lists(st.integers(0, 2**63 - 1), max_size=6))
+    stamped = draw(st.booleans())  # Gym's digest and cum_len of the whole sequence, or neither
+    resolution = draw(st.none() | st.sampled_from(["root", "resolved", "unresolved"]))
+    parent = draw(NAMES) if resolution == "resolved" else draw(st.none() | NAMES) if resolution is None else None
     return {
         "schema_version": 1, "rollout_id": rid, "attempt_index": attempt, "capture_key": capture_key(rid, attempt),
         "model_call_id": draw(NAMES), "model": draw(st.none() | TEXT),
-        "prompt_token_ids": draw(st.lists(st.integers(0, 2**31 - 1), max_size=6)),
+        "prompt_token_ids": prompt,
         "generation_token_ids": gen,
-        "generation_log_probs": draw(st.lists(F32, min_size=len(gen), max_size=len(gen))),
-        "routed_experts": draw(st.none() | st.lists(st.lists(st.integers(0, 255), max_size=3), max_size=3)),
+        "generation_log_probs": draw(st.lists(FLOATS, min_size=len(gen), max_size=len(gen))),
+        "routed_experts": draw(st.none() | st.just("[[1,2],[3]]")),
         "output_items": draw(st.none() | TEXT), "token_item_index": draw(st.none() | st.integers(0, 9)),
         "response_id": draw(st.none() | TEXT), "created_at": draw(st.none() | FLOATS),
-        "parent_call_id": parent, "cum_len": draw(st.integers(0, 2**40)), "digest": draw(st.none() | TEXT),
-        "parent_resolution": draw(st.none() | st.sampled_from(["root", "resolved", "unresolved"])),
-        "prompt_is_delta": draw(st.none() | st.booleans()),
+        "parent_call_id": parent, "cum_len": len(prompt) + len(gen) if stamped else None,
+        "digest": token_digest(prompt + gen) if stamped else None, "parent_resolution": resolution,
+        "prompt_is_delta": draw(st.none() | st.booleans()) if resolution == "resolved" else draw(st.none() | st.just(False)),
+        "continuation_fingerprint": draw(st.none() | TEXT), "fingerprint_version": draw(st.none() | st.integers(0, 9)),
+        "extra_fields": draw(st.none() | st.just('{"x":1}')),
         "weight_version": draw(st.none() | INT64), "note": draw(TEXT),
     }
 
@@ -166,7 +178,7 @@ def expected_columns(rows: list[list[dict[str, Any]]], schema: pa.Schema, extras
                      with_extras: bool) -> dict[str, list[Any]]:
     names = schema.names + ([f.name for f in extras] if with_extras else [])
     flat = [r for chunk in rows for r in chunk]
-    return {name: [r[name] for r in flat] for name in names}
+    return {name: [r.get(name) for r in flat] for name in names}  # a column a row omits is null
 
 
 @st.composite

@@ -1,5 +1,6 @@
-"""The golden store ``spec/examples/store-v1`` must stay readable, and the writer must keep
-producing its exact bytes: an accidental format change fails here."""
+"""The golden stores must stay readable: ``spec/examples/store-v1`` (what format 1.0 writers
+produced: token-capture files of version 1) and ``spec/examples/store-v1.1`` (the current writer's).
+The writer must keep producing the newest one's exact bytes: an accidental format change fails here."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import pytest
 
 from schemas import AgentContinuationRoot, capture_key
 from schemas.manifest import FileKind
-from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
+from schemas.rows import DATAPLANE_SCHEMA, TOKEN_CAPTURE_SCHEMA, TOKEN_CAPTURE_SCHEMA_V1, TRAINING_SCHEMA
+from schemas.version import FORMAT_VERSION
 from snapformat import SnapshotStore, example, open_snapshot, verify_snapshot
 from snapformat.checksum import checksum_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "spec" / "examples" / "store-v1"
+EXAMPLES = ROOT / "spec" / "examples"
+#: Each golden store, with the format version its manifests carry.
+STORES = {"store-v1": "1.0", "store-v1.1": FORMAT_VERSION}
+NEWEST = "store-v1.1"
 GYM_LINE = ('{"schema_version": 1, "rollout_id": "p7_g2", "attempt_index": 0, "capture_key": "p7_g2", '
             '"last_committed_model_call_id": "call-2", "resource_state_revisions": {"tools": 3}}')
 #: Files that carry times or random ids, so they differ between two runs of the generator.
@@ -32,9 +37,14 @@ def _generator():
     return module
 
 
+@pytest.fixture(scope="module", params=sorted(STORES))
+def golden(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def store() -> SnapshotStore:
-    s = SnapshotStore(str(GOLDEN))
+def store(golden: str) -> SnapshotStore:
+    s = SnapshotStore(str(EXAMPLES / golden))
     s.check_marker()
     return s
 
@@ -44,7 +54,7 @@ def snaps(store):
     return {c.sequence: store.open(c.sequence) for c in store.list()}
 
 
-def test_list_and_latest(store, snaps):
+def test_list_and_latest(golden, store, snaps):
     commits = store.list()
     assert [c.sequence for c in commits] == [2, 1]
     latest = store.latest()
@@ -54,8 +64,11 @@ def test_list_and_latest(store, snaps):
     assert first.parent is None
     assert second.parent is not None and (second.parent.snapshot_id, second.parent.sequence) == (first.snapshot_id, 1)
     for m in (first, second):
-        assert m.format_version == "1.0" and m.required_features == []
+        assert m.format_version == STORES[golden]
         assert m.topology_fingerprint == example.TOPOLOGY
+    assert first.required_features == []
+    # The newest store's second snapshot holds NeMo-RL staging rows: the format 1.1 feature.
+    assert second.required_features == (["dataplane_rows"] if golden == NEWEST else [])
     # open by location, as `ls` prints it
     assert open_snapshot(snaps[2].url).manifest == second
 
@@ -70,17 +83,23 @@ def test_gym_commit_matches_part_manifests(snaps):
             assert entry.checksum == p.part_manifest_checksum
 
 
-def test_every_part_kind_reads(snaps):
+def test_every_part_kind_reads(golden, snaps):
     for seq, snap in snaps.items():
         kinds = {f.kind for f in snap.manifest.files}
-        assert kinds == set(typing.get_args(FileKind)), seq
+        with_dataplane = golden == NEWEST and seq == 2
+        assert kinds == set(typing.get_args(FileKind)) - (set() if with_dataplane else {"dataplane_rows"}), seq
+        if with_dataplane:
+            staging = snap.read_table("dataplane")
+            assert staging.schema.names[:len(DATAPLANE_SCHEMA)] == DATAPLANE_SCHEMA.names
+            assert {"token_ids_delta", "prev_len", "delta_len", "cum_len", "weight_version"} <= set(staging.schema.names)
         for entry in snap.files("part_manifest"):
             assert snap.read_bytes(entry)  # size and checksum checked
         training = snap.read_table("training")
         assert training.schema.names[: len(TRAINING_SCHEMA)] == TRAINING_SCHEMA.names
         assert training.num_rows == sum(f.records for f in snap.files("training_rows")) > 0
         tokens = snap.read_table("tokens")
-        assert tokens.schema.names[: len(TOKEN_CAPTURE_SCHEMA)] == TOKEN_CAPTURE_SCHEMA.names
+        token_schema = TOKEN_CAPTURE_SCHEMA if golden == NEWEST else TOKEN_CAPTURE_SCHEMA_V1
+        assert tokens.schema.names[: len(token_schema)] == token_schema.names
         assert tokens.num_rows == sum(f.records for f in snap.files("token_capture_rows")) > 0
         for kind in ("continuations", "agent_state", "model_ledger", "token_index", "session_state",
                      "replay_index", "recovery_ledger"):
@@ -138,7 +157,10 @@ def test_continuations_resolve_in_golden(snaps):
             assert sessions[(c.rollout_id, "tools")].state_revision == c.resource_state_revisions["tools"]
 
 
-def test_regenerated_data_files_are_byte_identical(tmp_path, snaps):
+def test_regenerated_data_files_are_byte_identical(tmp_path):
+    """Only the newest store: the older ones are what older writers produced."""
+    newest = SnapshotStore(str(EXAMPLES / NEWEST))
+    snaps = {c.sequence: newest.open(c.sequence) for c in newest.list()}
     gen = _generator()
     assert (gen.COUNT, gen.SEEDS) == (12, (7, 8))
     gen.write_store(tmp_path / "store")
