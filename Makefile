@@ -18,7 +18,7 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt requirements-gym-test.t
 venv: $(BIN)/.installed
 
 demo: venv
-	$(BIN)/python -m coordinator.demo --store "$(STORE)"
+	$(BIN)/python -m devtools.demo --store "$(STORE)"
 
 format-demo: venv
 	$(BIN)/python -m snapformat.demo --store "$(STORE)-format"
@@ -27,13 +27,13 @@ test: venv
 	$(BIN)/python -m pytest -q
 
 soak: venv
-	$(BIN)/python -m coordinator.soak --minutes $(or $(SOAK_MINUTES),10)
+	$(BIN)/python -m devtools.soak --minutes $(or $(SOAK_MINUTES),10)
 
 bench: venv
 	$(BIN)/python -m benchmarks.run
 
 schemas: venv
-	$(BIN)/python -m schemas spec/schemas
+	$(BIN)/python -m schemas spec/jsonschema
 
 clean:
 	rm -rf $(VENV) demo-store .pytest_cache .hypothesis

@@ -41,9 +41,10 @@ def tq_runtime(log: Log) -> Any:
     (``python -m benchmarks.run`` calls it at the end). If Ray is already initialised in this
     process (a test session that started it), TQ is attached to and the owner closes it."""
     global _RUNTIME
-    import ray
+    from coordinator import ray_runtime
 
-    from coordinator import ray_runtime  # noqa: F401  (before ray: keeps every socket on 127.0.0.1)
+    ray_runtime.configure()  # before ray is imported: every socket on 127.0.0.1 (a no-op after run.main's)
+    import ray
 
     if _RUNTIME is not None or ray.is_initialized():
         import transfer_queue as tq
@@ -122,7 +123,7 @@ def row_batch(rng: np.random.Generator, start: int, n: int, layout: str, mean_to
     ``mean_tokens`` tokens (dense: exactly that many; ragged: uniform in [mean/2, 3*mean/2)), and
     ``input_lengths`` (int32). Tags carry ``rollout_id`` and ``attempt_index``, as the training-row
     schema requires."""
-    from coordinator.data_plane import Ragged
+    from coordinator.dataplane import Ragged
 
     keys = [f"{prefix}{i:07d}" for i in range(start, start + n)]
     tags = [{"rollout_id": k, "attempt_index": 0} for k in keys]

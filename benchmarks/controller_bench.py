@@ -18,7 +18,7 @@ How one point (N rollouts, S bytes of TQ rows) is measured, in this process:
    rows only grow from one point to the next (not timed). The filler's adapter is the one each
    point's controller then uses, as if the controller had put the rows itself (in a run it is the
    data plane's only producer), so a save takes them from the adapter's capture, not from TQ.
-2. Three fresh reference Gym servers (``refgym.testing.new_fleet(...).gym(model_slow_ms=50)``), a
+2. Three fresh reference Gym servers (``devtools.gym_fleet.new_fleet(...).gym(model_slow_ms=50)``), a
    NemoGym actor (``coordinator.gym_actor.remote``) and a :class:`~coordinator.controller.SingleController`
    (a plain object here, data plane ``tq``) on a fresh store folder; ``ctl.setup()`` (discovery;
    the store is empty, so no restore). Its workload is N rollouts of :data:`TURNS` turns; they are
@@ -28,17 +28,18 @@ How one point (N rollouts, S bytes of TQ rows) is measured, in this process:
 3. ``ctl.save_now(wait=True)`` with ``in_pause`` writing, then (same controller, same rollouts, a
    fresh store folder) with ``background`` writing: the first save's pause keeps the rollouts
    parked while it writes, so the second finds the same rollouts in flight. Each returns the
-   :class:`~coordinator.save.SaveReport`: ``pause_s`` and ``steps_s`` (flush_acks, prepare,
+   :class:`~coordinator.checkpoint.SaveReport`: ``pause_s`` and ``steps_s`` (flush_acks, prepare,
    gym_commit, cut, resume, write, publish), as the controller records them.
 4. Restore: every Gym server is SIGKILLed, TQ is cleared; three fresh servers, a new NemoGym actor
    and a new controller (same workload) on the background save's store; discovery, then
-   ``coordinator.restore.restore(ctl)`` is timed (its report has load_data_plane, gym_restore,
+   ``ctl.restore()`` (its Checkpointer's restore) is timed (its report has load_data_plane, gym_restore,
    discard, resume). Every file of that snapshot is read once before (untimed: page cache warm), and
    after the restore with plain ``open().readinto``, warm and then evicted from the page cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import statistics
@@ -136,13 +137,13 @@ def _config(mode: str, n: int):
 class Job:
     """Fresh Gym servers, a NemoGym actor and a SingleController in this process."""
 
-    def __init__(self, fleet, store_root: Path, n: int, mode: str) -> None:
+    def __init__(self, fleet, store_root: Path, n: int, mode: str, plane: Any = "tq") -> None:
         from coordinator import gym_actor
         from coordinator.controller import SingleController
 
         self.gym = fleet.gym(model_slow_ms=MODEL_SLOW_MS)
         self.actor = gym_actor.remote([p.url for p in self.gym.trio.all], fleet.token)
-        self.ctl = SingleController(_config(mode, n), str(store_root), self.actor, _workload(n), data_plane="tq")
+        self.ctl = SingleController(_config(mode, n), str(store_root), self.actor, _workload(n), data_plane=plane)
 
     def dispatch(self, n: int, log: Log) -> tuple[float, float]:
         """Send every rollout of the workload as the controller's ``dispatch`` would (the ledger marks
@@ -172,7 +173,7 @@ class Job:
                 raise RuntimeError(f"{len(done)} rollouts ended before the snapshot (first: {done[0]})")
             return len(rows) == n and all(r["turns_done"] >= 1 for r in rows)
 
-        from refgym.testing import wait_until
+        from devtools.gym_fleet import wait_until
 
         # listing 10,000 rollouts takes the agent ~1 s: poll less often the more there are
         wait_until(progress, f"every one of {n} rollouts to finish its first turn", WAIT_S, every=max(0.25, n / 2000))
@@ -217,8 +218,8 @@ def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], f
     stores = {m: work / f"store-{tag}-{m}" for m in modes}
     first = sorted(modes, key=lambda m: m != "in_pause")
     t0 = time.perf_counter()
-    job = Job(fleet, stores[first[0]], n, first[0])
-    job.ctl.plane = filler.plane  # the rows in TQ are the controller's own: its adapter put (and kept) them
+    # the rows in TQ are the controller's own: its adapter put (and kept) them
+    job = Job(fleet, stores[first[0]], n, first[0], plane=filler.plane)
     probe = common.MethodTimer(job.ctl.plane, ("_read_partition", "_make_cut"))  # the write's TQ reads
     saves: dict[str, Any] = {}
     try:
@@ -228,11 +229,14 @@ def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], f
         setup_s = time.perf_counter() - t0
         send_s, wait_s = job.dispatch(n, log)
         for i, mode in enumerate(first):
+            from coordinator.checkpoint import Checkpointer
             from snapformat import SnapshotStore
 
             if i:  # the next save: same controller and rollouts, another write mode, a fresh store folder
-                job.ctl.config = msgspec.structs.replace(job.ctl.config, write_mode=mode)
-                job.ctl.store = SnapshotStore(str(stores[mode]))
+                seams = job.ctl.checkpointer.seams
+                job.ctl.checkpointer = Checkpointer(dataclasses.replace(
+                    seams, config=msgspec.structs.replace(seams.config, write_mode=mode),
+                    store=SnapshotStore(str(stores[mode]))))
             probe.take()
             with Sampler() as mem:  # the whole save, its background write included (wait=True)
                 before = mem.now()
@@ -268,8 +272,7 @@ def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], f
 
 def restore_point(fleet, point: dict[str, Any], log: Log) -> dict[str, Any]:
     """Restore the background save of ``point`` on fresh servers, an empty TQ and a new controller."""
-    from coordinator.restore import restore
-    from coordinator.tq_adapter import TQDataPlane
+    from coordinator.dataplane.tq.adapter import TQDataPlane
 
     save = point["saves"].get("background") or next(iter(point["saves"].values()))
     store_root = Path(save["store"])
@@ -278,7 +281,7 @@ def restore_point(fleet, point: dict[str, Any], log: Log) -> dict[str, Any]:
     job = Job(fleet, store_root, n, save["mode"])
     files = common.snapshot_files(store_root, save["snapshot"]["snapshot_id"], save["snapshot"]["sequence"])
     common.raw_read(files)  # untimed: the snapshot in the page cache, as for the raw read below
-    from coordinator import data_plane
+    from coordinator.dataplane import plane as data_plane
 
     parse = data_plane.parse_table
     parses: list[float] = []
@@ -295,7 +298,7 @@ def restore_point(fleet, point: dict[str, Any], log: Log) -> dict[str, Any]:
         found = job.ctl.gym.discover_checkpoint_capabilities()
         job.ctl.fingerprint = found["fingerprint"]
         t0 = time.perf_counter()
-        rep = restore(job.ctl)
+        rep = job.ctl.restore()
         total = time.perf_counter() - t0
         progress = job.ctl.plane.wait_loaded()  # the background load putting the rows into TQ itself
         loaded = time.perf_counter() - t0
@@ -360,12 +363,12 @@ class Bench:
     folder (the published stores), the TQ filler."""
 
     def __init__(self, scratch: Path, log: Log) -> None:
-        from refgym.forkserver import ForkServer
-        from refgym.procs import REPO_ROOT
-        from refgym.testing import new_fleet
+        from devtools.gym_fleet import new_fleet
+        from devtools.gym_forkserver import ForkServer
+        from devtools.gym_procs import REPO_ROOT
 
         common.tq_runtime(log)
-        from coordinator.tq_adapter import TQDataPlane
+        from coordinator.dataplane.tq.adapter import TQDataPlane
 
         TQDataPlane().clear()
         self.work, self._cleanup = common.work_folder(scratch, "pause")
@@ -380,7 +383,7 @@ class Bench:
         if self.closed:
             return
         self.closed = True
-        from coordinator.tq_adapter import TQDataPlane
+        from coordinator.dataplane.tq.adapter import TQDataPlane
 
         try:
             self.fleet.close()
@@ -729,7 +732,7 @@ def restore_markdown(result: dict[str, Any], results: Path | None) -> str:
         "# Restore benchmark: restoring the pause benchmark's snapshots against a raw read of their files",
         "",
         f"Each snapshot the pause benchmark published with `background` writing is restored by "
-        f"`coordinator.restore.restore(ctl)` on a new SingleController (same workload) with three fresh reference "
+        f"`ctl.restore()` on a new SingleController (same workload) with three fresh reference "
         f"Gym servers, a new NemoGym actor and an empty TransferQueue (cleared, not timed); the clock covers the "
         f"whole call (newest snapshot found, TQ rows read, checked and kept by the adapter, controller records "
         f"read, Gym restored paused, discards, ACKs re-sent, resume); the adapter puts the rows into TQ itself in "
@@ -758,10 +761,10 @@ def restore_markdown(result: dict[str, Any], results: Path | None) -> str:
     lines += [
         "",
         "Notes:",
-        "- **restore** = wall time of `restore(ctl)`; its steps as the controller's `RestoreReport.steps_s`: "
+        "- **restore** = wall time of `ctl.restore()`; its steps as the controller's `RestoreReport.steps_s`: "
         "**load data plane** (snapshot found and opened, the `tq/` rows read with their checksum verified, parsed, "
         "and handed to the adapter, which keeps them and starts putting them into TQ from a thread; **of which "
-        "`parse_table`**: `coordinator.data_plane.parse_table`, the rows turned back into per-partition numpy "
+        "`parse_table`**: `coordinator.dataplane.codec.parse_table`, the rows turned back into per-partition numpy "
         "arrays, timed by wrapping that function in this process), **Gym restore** (each server loads its part; "
         "paused), **discard**, "
         "**resume**. The rest of the total is finding the snapshot and reading the controller's records. **TQ holds "

@@ -5,7 +5,7 @@ of parked rollouts, so the growth is visible.
     python -m benchmarks.run --section gym --quick    # N = 10, 100, one repeat each
 
 For each N, and each repeat: the three reference servers (``refgym``: model, agent, resource, each a
-real uvicorn process on 127.0.0.1, forked from one :class:`~refgym.forkserver.ForkServer`) are
+real uvicorn process on 127.0.0.1, forked from one :class:`~devtools.gym_forkserver.ForkServer`) are
 started fresh, N multi-turn rollouts are started on the agent and run until every one has finished
 at least one turn (each has 64 turns and every model call takes ``MODEL_SLOW_MS``, so none can
 finish before the snapshot). Then the protocol is driven call by call, in the documented order,
@@ -33,11 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from devtools.gym_fleet import Fleet, Gym, Spec, new_fleet, wait_until
+from devtools.gym_forkserver import ForkServer
+from devtools.gym_procs import REPO_ROOT
+from gymkit import gym_commit
 from refgym.agent_server import MAX_OPEN_CALLS
-from refgym.client import ok
-from refgym.forkserver import ForkServer
-from refgym.procs import REPO_ROOT
-from refgym.testing import Fleet, Gym, Spec, commit_answer, gym_commit, new_fleet, wait_until
 from snapformat import SnapshotStore, layout
 
 Log = Callable[[str], None]
@@ -151,21 +151,20 @@ def cycle(fleet: Fleet, store: SnapshotStore, store_root: Path, n: int, tag: str
     ck = f"bench-{tag}"
     deadline = time.time() + DEADLINE_S
     t_pause = time.perf_counter()
-    prep = {"model": _timed(times, "prepare_model", lambda: ok(gym.model.prepare(ck, deadline))),
-            "agent": _timed(times, "prepare_agent", lambda: ok(gym.agent.prepare(ck, deadline))),
-            "resource": _timed(times, "prepare_resource", lambda: ok(gym.resource.prepare(ck, deadline)))}
+    prep = {"model": _timed(times, "prepare_model", lambda: gym.model.prepare(ck, deadline)),
+            "agent": _timed(times, "prepare_agent", lambda: gym.agent.prepare(ck, deadline)),
+            "resource": _timed(times, "prepare_resource", lambda: gym.resource.prepare(ck, deadline))}
     draft = _timed(times, "begin", store.begin)
-    agent = _timed(times, "commit_agent", lambda: commit_answer(gym.agent.commit(ck, deadline, draft.url)))
+    agent = _timed(times, "commit_agent", lambda: gym.agent.commit(ck, deadline, draft.url))
     assert agent.part is not None
-    model = _timed(times, "commit_model",
-                   lambda: commit_answer(gym.model.commit(ck, deadline, draft.url, [agent.part])))
-    resource = _timed(times, "commit_resource", lambda: commit_answer(gym.resource.commit(ck, deadline, draft.url)))
-    commits = {"agent": agent, "model": model, "resource": resource}
+    model = _timed(times, "commit_model", lambda: gym.model.commit(ck, deadline, draft.url, [agent.part]))
+    resource = _timed(times, "commit_resource", lambda: gym.resource.commit(ck, deadline, draft.url))
+    commits = [(gym.agent.caps, agent), (gym.model.caps, model), (gym.resource.caps, resource)]  # commit order
     published = _timed(times, "publish", lambda: draft.publish(
-        receipts=[c.part for c in commits.values() if c.part is not None],
-        gym_commit=gym_commit(gym, ck, commits), topology_fingerprint=fingerprint))
+        receipts=[a.part for _, a in commits if a.part is not None],
+        gym_commit=gym_commit(ck, commits), topology_fingerprint=fingerprint))
     for key, c in (("resume_resource", gym.resource), ("resume_model", gym.model), ("resume_agent", gym.agent)):
-        _timed(times, key, lambda c=c: ok(c.resume(ck)))
+        _timed(times, key, lambda c=c: c.resume(ck))
     times["pause_total"] = time.perf_counter() - t_pause
 
     snap_dir = store_root / layout.snapshot_dir(published.manifest.snapshot_id)
@@ -187,11 +186,11 @@ def cycle(fleet: Fleet, store: SnapshotStore, store_root: Path, n: int, tag: str
     restored = {}
     for key, c in (("restore_model", fresh.model), ("restore_agent", fresh.agent),
                    ("restore_resource", fresh.resource)):
-        restored[c.caps.component] = _timed(times, key, lambda c=c: ok(
-            c.restore(rid, deadline, published.url, ck, fingerprint)))
+        restored[c.caps.component] = _timed(times, key, lambda c=c: c.restore(
+            rid, deadline, published.url, ck, fingerprint))
     t0 = time.perf_counter()
     for c in (fresh.resource, fresh.model, fresh.agent):
-        if ok(c.resume(rid))["admission"] != "accepting":
+        if c.resume(rid).admission != "accepting":
             raise RuntimeError(f"{c.caps.component} did not resume after the restore")
     end = time.perf_counter()
     times["resume_after_restore"] = end - t0
@@ -201,15 +200,15 @@ def cycle(fleet: Fleet, store: SnapshotStore, store_root: Path, n: int, tag: str
 
     counts = {
         "requested": n,
-        "in_flight_after_prepare": {k: v["in_flight"] for k, v in prep.items()},
+        "in_flight_after_prepare": {k: v.in_flight for k, v in prep.items()},
         "agent_commit_parked": agent.payload["parked"],
         "agent_commit_finished_unacked": agent.payload["finished_unacked"],
         "model_commit_rollouts": model.payload["rollouts"],
         "model_commit_calls": model.payload["calls"],
         "resource_commit_sessions": resource.payload["sessions"],
-        "agent_restore_continuations": len(restored["agent"]["payload"]["continuations"]),
-        "model_restore_calls": restored["model"]["payload"]["calls"],
-        "resource_restore_sessions": restored["resource"]["payload"]["sessions"],
+        "agent_restore_continuations": len(restored["agent"].payload["continuations"]),
+        "model_restore_calls": restored["model"].payload["calls"],
+        "resource_restore_sessions": restored["resource"].payload["sessions"],
     }
     return {"times_s": times, "bytes": part_bytes, "counts": counts, "files": len(published.manifest.files),
             "setup_s": round(setup_s, 3), "restart_s": round(restart_s, 3)}

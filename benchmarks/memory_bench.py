@@ -16,12 +16,13 @@ mapped files, which belong to the page cache) and also reports ``getrusage`` ``r
 * **save, rows held**: the same size of distinct rows built in memory first (as a cut holds them),
   then written and published; reported as the peak above the memory held before the save began.
 * **TQ rows, cut whole** and **TQ rows, window by window**: training rows held as the TQ adapter keeps
-  what it puts (:class:`coordinator.tq_capture.RowCapture`, segments of :data:`CUT_SEGMENT_ROWS` rows:
-  ragged ``input_ids`` and ``generation_logprobs``, ``input_lengths``) and a cut's plan of them (the
-  listing: keys and tags), then written into a draft and published: *whole* materializes the cut
-  (every row assembled, one Arrow table) and writes it, as a coordinator save did before; *window by
-  window* is what a save does now (``plan_source`` + ``write_sources``: one window of rows built,
-  written, dropped). Both report the peak above the capture and the listing, held before.
+  what it puts (:class:`coordinator.dataplane.tq.capture.RowCapture`, segments of
+  :data:`CUT_SEGMENT_ROWS` rows: ragged ``input_ids`` and ``generation_logprobs``, ``input_lengths``)
+  and a cut's plan of them (the listing: keys and tags), then written into a draft and published:
+  *whole* materializes the cut (every row assembled, one Arrow table) and writes it, as a coordinator
+  save did before; *window by window* is what a save does now (``plan_source`` + ``write_sources``:
+  one window of rows built, written, dropped). Both report the peak above the capture and the
+  listing, held before.
 * **load, read_table**: ``SnapshotStore(path).latest().read_table("tokens", verify=True)`` (memory
   mapped), then every buffer hashed (xxh3-64) so every page is really read.
 * **load, batch by batch**: ``snap.open_rows(entry, verify=True)``, then each record batch read,
@@ -126,8 +127,8 @@ def _captured(size: int) -> tuple[Any, list]:
     """About ``size`` bytes of training rows as the TQ adapter keeps them, and a cut's plan of them."""
     import numpy as np
 
-    from coordinator.data_plane import FieldData, FieldSpec
-    from coordinator.tq_capture import RowCapture
+    from coordinator.dataplane import FieldData, FieldSpec
+    from coordinator.dataplane.tq.capture import RowCapture
 
     rng = np.random.default_rng(7)
     cap = RowCapture(max_bytes=1 << 62)
@@ -151,16 +152,15 @@ def _captured(size: int) -> tuple[Any, list]:
 
 
 def _write_cut(op: str, plans: list, draft) -> Any:
-    from types import MappingProxyType
-
-    from coordinator.data_plane import TRAINING, DataPlaneCut, build_table, write_cut, write_sources
-    from coordinator.tq_capture import assemble, plan_source
+    from coordinator.dataplane import TRAINING, RowTable, whole_source, write_sources
+    from coordinator.dataplane.tq.capture import assemble, plan_source
+    from coordinator.dataplane.writer import write_tables
 
     part = draft.part("tq", writer="tq")
     if op == "cut_stream":
         return write_sources({TRAINING: [plan_source(p, i) for i, p in enumerate(plans)]}, part).entries[0]
-    table = build_table(TRAINING, [assemble(p) for p in plans])
-    return write_cut(DataPlaneCut(MappingProxyType({TRAINING: table}), ("bench",), 0.0, 0.0), part)[0]
+    table = RowTable.of(TRAINING, [whole_source(assemble(p), i) for i, p in enumerate(plans)]).built()
+    return write_tables([table], part).entries[0]
 
 
 def child(op: str, size: int, store: str) -> dict[str, Any]:
@@ -372,7 +372,7 @@ def markdown(r: dict[str, Any]) -> str:
         "tokens each, int32 ids and float32 log-probs) with a cut's listing of them (keys and tags), built before the "
         "measurement starts: **held before** is the capture's values. *Whole* is the coordinator's save before it "
         "wrote window by window (every row copied into one table, then written); *window by window* builds at most "
-        "65,536 rows or about 64 MiB of values at a time (`coordinator.tq_capture.plan_source`).",
+        "65,536 rows or about 64 MiB of values at a time (`coordinator.dataplane.tq.capture.plan_source`).",
         "- Not covered here: a restore into TransferQueue (`DataPlane.load`) necessarily holds the rows it puts "
         "(TQ keeps them in memory), so it is proportional by nature; see the tq and restore reports.",
     ]

@@ -247,6 +247,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from coordinator import ray_runtime
+
+    ray_runtime.configure()  # an entry point: Ray on 127.0.0.1, single-user, before any section imports ray
     args = sys.argv[1:] if argv is None else argv
     opts = parse_args(args)
     command = " ".join(["python -m benchmarks.run", *map(shlex.quote, args)])

@@ -49,6 +49,7 @@ import pyarrow as pa
 
 from benchmarks import common
 from benchmarks.format_bench import build_rows
+from devtools import s3servers
 from schemas.controller import LoaderPlace
 from schemas.manifest import CommitRecord, Manifest, ParentRef
 from schemas.rows import TOKEN_CAPTURE_SCHEMA
@@ -58,7 +59,6 @@ from snapformat.checksum import checksum_bytes
 from snapformat.draft import SnapshotDraft
 from snapformat.retention import apply_retention
 from snapformat.store import s3 as s3_store
-from snapformat.testing import s3servers
 
 Log = Callable[[str], None]
 

@@ -133,9 +133,9 @@ def measure_local(root: Path, calls: int, repeats: int, log: Log) -> dict[str, A
 
 def measure_s3(calls: int, repeats: int, log: Log) -> dict[str, Any]:
     """Per-put latency, the fresh-instance freeze and a plain PUT of the same bytes, on SeaweedFS."""
+    from devtools import s3servers
     from gymkit.token_store import TokenStore, canonical_bytes
     from snapformat.store import open_store
-    from snapformat.testing import s3servers
 
     server = s3servers.seaweedfs()
     try:

@@ -1,5 +1,5 @@
 """The TQ benchmark (issue 6): TransferQueue's rows saved and loaded through the coordinator's TQ
-adapter (``coordinator.tq_adapter.TQDataPlane``) against TransferQueue's own
+adapter (``coordinator.dataplane.tq.adapter.TQDataPlane``) against TransferQueue's own
 ``tq.save_checkpoint(dir)`` / ``tq.load_checkpoint(dir)`` of the same rows, on the same TQ.
 
     python -m benchmarks.run --section tq            # 10,000 and 100,000 rows -> benchmarks/results/tq.md
@@ -13,7 +13,7 @@ rows through the adapter's ``put`` (TQ's ``kv_batch_put``), :data:`PUT_BATCH` ro
 and ``input_lengths`` int32. Then, per repeat (the two methods' order alternating):
 
 * *ours, save*: ``deferred_cut()`` (the pause's share: TQ's listing and the plan of the kept rows)
-  + ``SnapshotStore.begin()`` + ``DeferredCut.write`` into the draft's ``tq`` part (the rows the
+  + ``SnapshotStore.begin()`` + ``RowsCut.write`` into the draft's ``tq`` part (the rows the
   adapter kept as it put them, built into Arrow one window at a time and written: row checks,
   xxh3-128, fsync) + ``publish()``. Once per row count also *no capture*: the same save by an adapter that
   kept nothing, so every value is read back with ``kv_batch_get``.
@@ -114,7 +114,7 @@ def measure(rows: int, layout: str, repeats: int, work: Path, log: Log, batch: i
     """One (rows, layout): TQ cleared and filled, then every repeat of the four operations."""
     import transfer_queue as tq
 
-    from coordinator.tq_adapter import TQDataPlane
+    from coordinator.dataplane.tq.adapter import TQDataPlane
     from snapformat import SnapshotStore
 
     plane = TQDataPlane()  # a fresh adapter (its write-once record and capture empty) for each measurement
@@ -257,7 +257,7 @@ def run(config: dict[str, Any], quick: bool, scratch: Path, results: Path | None
     load_start = common.load_average()
     _raise_tq_storage_timeout(log)
     tq_runtime(log)
-    from coordinator.tq_adapter import TQDataPlane
+    from coordinator.dataplane.tq.adapter import TQDataPlane
 
     plane = TQDataPlane()
     work, cleanup = common.work_folder(scratch, "tq")
@@ -305,7 +305,9 @@ TQ_STORAGE_TIMEOUT_S = 3600
 def _raise_tq_storage_timeout(log: Log) -> None:
     """Give TQ's storage requests :data:`TQ_STORAGE_TIMEOUT_S` (read when its storage manager is built)."""
     os.environ["TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT"] = str(TQ_STORAGE_TIMEOUT_S)
-    from coordinator import ray_runtime  # noqa: F401  (before ray: keeps every socket on 127.0.0.1)
+    from coordinator import ray_runtime
+
+    ray_runtime.configure()  # before transfer_queue imports ray: every socket on 127.0.0.1
     from transfer_queue.storage.managers import simple_storage_manager
 
     simple_storage_manager.TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT = TQ_STORAGE_TIMEOUT_S

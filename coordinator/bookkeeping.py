@@ -170,9 +170,6 @@ class Bookkeeping:
         """Every prompt handed out and every group used by training."""
         return self.loader.peek() is None and all(g.state == "applied_uncheckpointed" for g in self.groups.values())
 
-    def unfinished_groups(self) -> int:
-        return sum(g.state not in ("claimed_for_training", "applied_uncheckpointed") for g in self.groups.values())
-
     # -- restore -----------------------------------------------------------------------------
     def next_run(self, rollout_id: str, from_attempt: int, new_attempt: int) -> None:
         """An unfinished run ``from_attempt`` continues as ``new_attempt`` (= n + 1) after a restore."""

@@ -1,19 +1,20 @@
-"""The Single Controller: sends rollouts to Gym, stores finished results, trains, and saves.
+"""The Single Controller: sends rollouts to Gym, stores finished results, trains, and decides when to save.
 
-It owns the snapshot store and the bookkeeping, and is the only producer of the data plane's rows,
-so its loop is the data plane's barrier: while the loop is in a save, no row is put and no rollout
-is sent. One pass of the loop:
+It owns the bookkeeping and is the only producer of the data plane's rows, so its loop is the data
+plane's barrier: while the loop is in a save, no row is put and no rollout is sent. Saving and
+restoring are its :class:`~coordinator.checkpoint.Checkpointer`'s, which it calls and whose outcomes
+it applies (the restored bookkeeping; a resume to retry before any rollout). One pass of the loop:
 
 1. collect: read finished results from Gym, put their rows into the data plane, mark them sealed
    (each now owes an acknowledgement), then acknowledge them;
 2. train: a finalized batch of prompt groups is claimed and applied (the trainer here is a step
    counter: what matters to a snapshot is which samples it used);
 3. dispatch: send rollouts of the next prompts, up to ``max_in_flight`` open runs;
-4. save, when ``snapshot_attempt_interval_s`` has passed (:mod:`coordinator.save`).
+4. save, when ``snapshot_attempt_interval_s`` has passed (:mod:`coordinator.checkpoint.save`).
 
 A failed save is logged and counted; the run goes on. ``max_consecutive_failures`` failures in a
-row stop the run with :class:`TooManyFailuresError`. Gym unreachable for ``gym_unreachable_s``
-stops it too (an operator restarts the job, which restores).
+row stop the run with :class:`~coordinator.errors.TooManyFailuresError`. Gym unreachable for
+``gym_unreachable_s`` stops it too (an operator restarts the job, which restores).
 
 :class:`SingleController` is a plain class; :func:`remote` makes it a Ray actor. It reaches Gym
 only through the NemoGym actor (:class:`GymHandle`).
@@ -21,21 +22,20 @@ only through the NemoGym actor (:class:`GymHandle`).
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from typing import Any
 
 import msgspec
 
 from coordinator.bookkeeping import Bookkeeping
+from coordinator.checkpoint import Checkpointer, RestoreReport, SaveReport, Seams
 from coordinator.config import ControllerConfig
-from coordinator.data_plane import DataPlane
-from coordinator.errors import GymCallError, SaveAbortedError, TooManyFailuresError
+from coordinator.dataplane import DataPlane
+from coordinator.errors import GymCallError
 from coordinator.faults import CrashPlan, Steps
-from coordinator.restore import RestoreReport, restore
 from coordinator.samples import TOKEN_PARTITION, TRAIN_PARTITION, decode_results, put_results
-from coordinator.save import BackgroundWriter, SaveReport, save
 from coordinator.workload import Workload
 from snapformat.snapshot_store import SnapshotStore
 
@@ -63,6 +63,17 @@ class GymHandle:
         return call
 
 
+def acknowledge_owed(gym: Any, books: Bookkeeping) -> None:
+    """Send every acknowledgement ``books`` owes through ``gym`` and mark each sent; a result the agent
+    no longer holds was acknowledged before."""
+    owed = [(a.rollout_id, a.attempt_index) for a in books.acks_owed.values()]
+    if not owed:
+        return
+    answer = gym.acknowledge(owed)
+    for rid in answer["acknowledged"] + answer["unknown"]:
+        books.acknowledged(rid)
+
+
 class RunOutcome(msgspec.Struct, kw_only=True):
     """What a run did: for the demo's report and the tests' checks."""
 
@@ -78,13 +89,13 @@ def make_data_plane(kind: str, timeout_s: float = 300.0, capture_max_bytes: int 
     """``tq``: TransferQueue on this Ray cluster (attaches to the running one); ``memory``: in-process."""
     parts = {TOKEN_PARTITION}
     if kind == "memory":
-        from coordinator.data_plane import InMemoryDataPlane
+        from coordinator.dataplane import InMemoryDataPlane
 
         return InMemoryDataPlane(parts)
     if kind == "tq":
         import transfer_queue as tq
 
-        from coordinator.tq_adapter import TQDataPlane
+        from coordinator.dataplane.tq.adapter import TQDataPlane
 
         tq.init()  # attaches to the TransferQueue the driver started
         return TQDataPlane(parts, call_timeout_s=timeout_s, capture_max_bytes=capture_max_bytes)
@@ -92,33 +103,46 @@ def make_data_plane(kind: str, timeout_s: float = 300.0, capture_max_bytes: int 
 
 
 class SingleController:
-    """Owns the snapshot store at ``store_url`` and drives one run of ``workload`` through Gym."""
+    """Drives one run of ``workload`` through Gym, saving to the snapshot store at ``store_url``.
+
+    ``data_plane`` is ``"tq"`` or ``"memory"`` (:func:`make_data_plane`), or a data plane to use as is."""
 
     def __init__(self, config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, *,
-                 data_plane: str = "tq", crash_plan: CrashPlan | None = None) -> None:
+                 data_plane: str | DataPlane = "tq", crash_plan: CrashPlan | None = None) -> None:
         self.config = config
-        self.store = SnapshotStore(store_url)
         self.gym = GymHandle(gym_actor)
         self.workload = workload
-        self.plane = make_data_plane(data_plane, config.data_plane_timeout_s, config.capture_max_bytes)
+        self.plane = make_data_plane(data_plane, config.data_plane_timeout_s, config.capture_max_bytes) \
+            if isinstance(data_plane, str) else data_plane
         self.books = Bookkeeping.fresh(workload)
         self.steps = Steps(crash_plan)
-        self.writer = BackgroundWriter(self, self._background_done)
-        self.saves: list[SaveReport] = []
+        self.checkpointer = Checkpointer(Seams(
+            gym=self.gym, store=SnapshotStore(store_url), plane=self.plane, config=config, steps=self.steps,
+            store_and_acknowledge=self.collect, acknowledge=functools.partial(acknowledge_owed, self.gym)))
         self.fingerprint = ""
         self.restored: RestoreReport | None = None
-        self._failures = 0
-        self._fatal: BaseException | None = None
-        self._lock = threading.Lock()  # saves' reports arrive from the writer thread
         self._gym_down_since: float | None = None
         self.pending_resume: str | None = None  # a checkpoint whose resume failed: retried before any rollout
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> RestoreReport | None:
         """Discover Gym's topology, then restore from the newest usable snapshot (or start fresh)."""
+        self.discover()
+        return self.restore()
+
+    def discover(self) -> str:
+        """Ask Gym for its servers' capabilities; returns the running topology's fingerprint."""
         found = self.gym.discover_checkpoint_capabilities()
         self.fingerprint = found["fingerprint"]
-        self.restored = restore(self)
+        return self.fingerprint
+
+    def restore(self) -> RestoreReport | None:
+        """Restore from the newest usable snapshot of this topology and adopt its bookkeeping (Gym is
+        resumed on return); None when the store holds no snapshot (the run starts fresh)."""
+        outcome = self.checkpointer.restore(self.workload, self.fingerprint)
+        if outcome is not None:
+            self.books = outcome.books
+        self.restored = None if outcome is None else outcome.report
         return self.restored
 
     # -- the loop ---------------------------------------------------------------------------
@@ -130,7 +154,7 @@ class SingleController:
         while not self.books.done():
             if time.monotonic() - t0 > max_seconds:
                 break
-            self._check_fatal()
+            self.checkpointer.raise_if_failing()
             try:
                 if self.pending_resume is not None:
                     self.gym.resume_checkpoint(self.pending_resume)
@@ -146,15 +170,13 @@ class SingleController:
                 self.save_now()
                 last_save = time.monotonic()
             time.sleep(self.config.poll_interval_s)
-        self.writer.wait()
-        self._check_fatal()
+        self.checkpointer.wait_for_write()
+        self.checkpointer.raise_if_failing()
         return self.outcome(time.monotonic() - t0)
 
     def outcome(self, seconds: float = 0.0) -> RunOutcome:
-        with self._lock:
-            saves = list(self.saves)
         stored = sum(a.state == "sealed" for a in self.books.attempts.values())
-        return RunOutcome(done=self.books.done(), restored=self.restored, saves=saves,
+        return RunOutcome(done=self.books.done(), restored=self.restored, saves=self.checkpointer.reports(),
                           train_steps=self.books.train_steps, rollouts_stored=stored, seconds=round(seconds, 3))
 
     def _gym_unreachable(self, exc: GymCallError) -> None:
@@ -181,17 +203,8 @@ class SingleController:
             keys = put_results(self.plane, fresh, group_of)
             for r, key in zip(fresh, keys):
                 self.books.sealed(r.rollout_id, r.attempt_index, key, TRAIN_PARTITION)
-        self.flush_acks()
+        acknowledge_owed(self.gym, self.books)
         return len(fresh)
-
-    def flush_acks(self) -> None:
-        """Send every acknowledgement owed; a result the agent no longer holds was acknowledged before."""
-        owed = [(a.rollout_id, a.attempt_index) for a in self.books.acks_owed.values()]
-        if not owed:
-            return
-        answer = self.gym.acknowledge(owed)
-        for rid in answer["acknowledged"] + answer["unknown"]:
-            self.books.acknowledged(rid)
 
     def train(self) -> None:
         while batch := self.books.claim_batch(self.config.train_batch_groups):
@@ -217,55 +230,25 @@ class SingleController:
     def save_now(self, wait: bool = False) -> SaveReport:
         """One save attempt now (after a background write still in flight). With ``wait``, also wait
         for this save's own background write, so the report says whether it was published."""
-        self.writer.wait()
-        self._check_fatal()
-        try:
-            report = save(self)
-        except SaveAbortedError as exc:
-            log.warning("%s", exc)
-            report = _report_of(exc)
-            self._count(report, exc)
-            return report
-        if report.ok:  # written in the pause: done now
-            self._count(report, None)
-        elif wait:
-            self.writer.wait()
-        return report
-
-    def _background_done(self, report: SaveReport, exc: BaseException | None) -> None:
-        if exc is not None:
-            log.warning("background write of %s failed, nothing published: %s", report.checkpoint_id, exc)
-        self._count(report, exc)
-
-    def _count(self, report: SaveReport, exc: BaseException | None) -> None:
-        with self._lock:
-            self.saves.append(report)
-            self._failures = 0 if exc is None else self._failures + 1
-            if exc is not None and self._failures >= self.config.max_consecutive_failures:
-                self._fatal = TooManyFailuresError(
-                    f"{self._failures} consecutive save attempts failed (max_consecutive_failures="
-                    f"{self.config.max_consecutive_failures}); last: {report.error}")
-
-    def _check_fatal(self) -> None:
-        with self._lock:
-            fatal = self._fatal
-        if fatal is not None:
-            raise fatal
+        outcome = self.checkpointer.save(self.books, self.fingerprint)
+        if not outcome.gym_resumed:  # the snapshot stands; Gym must be resumed before any rollout
+            self.pending_resume = outcome.report.checkpoint_id
+        if wait and outcome.status == "writing":
+            outcome = self.checkpointer.wait_for_write() or outcome
+        return outcome.report
 
     # -- inspection -------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         b = self.books
-        with self._lock:
-            saves = len(self.saves)
-            published = sum(s.published for s in self.saves)
+        reports = self.checkpointer.reports()
+        saves, published = len(reports), sum(s.published for s in reports)
         return {"groups": len(b.groups), "open": len(b.open_attempts()), "train_steps": b.train_steps,
                 "stored": sum(a.state == "sealed" for a in b.attempts.values()), "saves": saves,
                 "published": published, "steps": dict(self.steps.counts), "pid": _pid()}
 
     def saves_since(self, n: int) -> list[SaveReport]:
         """Reports of finished save attempts after the first ``n`` (for a driver's log)."""
-        with self._lock:
-            return list(self.saves[n:])
+        return self.checkpointer.reports(n)
 
     def data_plane_tables(self) -> dict[str, Any]:
         """The data plane's rows now, as Arrow tables (for checks after a run)."""
@@ -273,12 +256,6 @@ class SingleController:
 
     def records(self) -> Any:
         return self.books.records()
-
-
-def _report_of(exc: SaveAbortedError) -> SaveReport:
-    if isinstance(exc.report, SaveReport):
-        return exc.report
-    return SaveReport(checkpoint_id="?", mode="?", error=str(exc))
 
 
 def _pid() -> int:

@@ -29,14 +29,6 @@ def _rebuild_gym_call_error(message: str, component: str, name: str, status: int
     return GymCallError(message, component=component, name=name, status=status, error=error)
 
 
-class SaveAbortedError(CoordinatorError):
-    """A save failed before publish: every Gym server was resumed (aborted) and nothing was published.
-
-    ``report`` is the attempt's :class:`~coordinator.save.SaveReport` (steps done, the error)."""
-
-    report: object = None
-
-
 class TooManyFailuresError(CoordinatorError):
     """``max_consecutive_failures`` saves in a row failed; the last error is the cause."""
 

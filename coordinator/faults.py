@@ -1,10 +1,11 @@
 """Named step boundaries of save and restore, and the crash plan tests and the demo use to SIGKILL
 real processes at one of them.
 
-The controller calls :meth:`Steps.reached` at every boundary. With no plan this only counts; with a
-:class:`CrashPlan` whose step is reached (its ``occurrence``-th time), the listed processes are
-SIGKILLed and then, if ``kill_self``, the controller's own process: a crash, with nothing flushed,
-exactly as a machine failure would leave things.
+The controller's Checkpointer (:mod:`coordinator.checkpoint`) calls :meth:`Steps.reached` at every
+boundary. With no plan this only counts; with a :class:`CrashPlan` whose step is reached (its
+``occurrence``-th time), the listed processes are SIGKILLed and then, if ``kill_self``, the
+controller's own process: a crash, with nothing flushed, exactly as a machine failure would leave
+things.
 """
 
 from __future__ import annotations

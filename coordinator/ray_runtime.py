@@ -1,10 +1,11 @@
 """Start and stop Ray and TransferQueue for the coordinator, on loopback, sized for a small machine.
 
 Ray binds the machine's non-loopback address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in
-the environment *before ray is imported* (Ray reads it once, at import). Importing this module sets
-it (unless the caller already chose a value), so import it before anything that imports ray or
-transfer_queue; :func:`start` checks that it took effect and refuses otherwise. With it, every Ray
-and TransferQueue socket listens on 127.0.0.1.
+the environment *before ray is imported* (Ray reads it once, at import). Importing this module
+changes nothing: an entry point (a driver's ``main``, the benchmark runner, a test conftest that
+starts Ray) calls :func:`configure` before anything imports ray or transfer_queue, and
+:func:`start` checks that it took effect and refuses otherwise. With it, every Ray and
+TransferQueue socket listens on 127.0.0.1.
 
 TransferQueue's default configuration wants 3 CPUs (a controller and two storage units) and hangs
 on a 2-CPU Ray; :data:`TQ_SMALL_CONFIG` uses one storage unit and a polling controller.
@@ -21,8 +22,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-os.environ.setdefault(LOOPBACK_ENV, "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a single-user loopback cluster; silences the token warning
+
+#: What :func:`configure` puts in the environment, each only where the variable is unset.
+RUNTIME_ENV: dict[str, str] = {
+    LOOPBACK_ENV: "0",  # Ray binds 127.0.0.1 only (read once, when ray is imported)
+    "RAY_AUTH_MODE": "disabled",  # a single-user loopback cluster: no token (silences Ray's token warning)
+}
+
+
+def configure() -> dict[str, str]:
+    """Set this process's environment for a loopback, single-user Ray: :data:`RUNTIME_ENV`.
+
+    Call it from an entry point, before anything imports ray or transfer_queue (Ray reads
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, at import). Each variable is set only if it is
+    unset, so a value the caller chose wins (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` for a
+    multi-node cluster; :func:`start` with ``loopback=True`` then refuses). Idempotent. Processes
+    started afterwards (Ray's own, the job's) inherit the variables. Returns the variables it set
+    (empty when every one was already set).
+    """
+    set_now = {k: v for k, v in RUNTIME_ENV.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
 
 #: TransferQueue on a 2-core machine: controller + one SimpleStorage unit (1 CPU each).
 TQ_SMALL_CONFIG: dict[str, Any] = {
@@ -41,14 +62,15 @@ class RayRuntimeError(RuntimeError):
 def check_loopback() -> None:
     """Raise unless Ray, as imported in this process, keeps every socket on 127.0.0.1."""
     if os.environ.get(LOOPBACK_ENV) != "0":
-        raise RayRuntimeError(f"{LOOPBACK_ENV} is {os.environ.get(LOOPBACK_ENV)!r}; set it to 0 before importing ray")
+        raise RayRuntimeError(f"{LOOPBACK_ENV} is {os.environ.get(LOOPBACK_ENV)!r}; call "
+                              "coordinator.ray_runtime.configure() (or set it to 0) before importing ray")
     if "ray" in sys.modules:
         from ray._private import ray_constants
 
         if ray_constants.ENABLE_RAY_CLUSTER:
             raise RayRuntimeError(
                 f"ray was imported before {LOOPBACK_ENV}=0 was set, so it would bind a non-loopback "
-                "address: import coordinator.ray_runtime (or set the variable) before ray")
+                "address: call coordinator.ray_runtime.configure() (or set the variable) before importing ray")
 
 
 @dataclass
@@ -115,4 +137,5 @@ def start(num_cpus: int = 2, tq_config: dict[str, Any] | None = None, *, object_
                       seconds={"ray_init": t1 - t0, "tq_init": t2 - t1})
 
 
-__all__ = ["LOOPBACK_ENV", "RayRuntime", "RayRuntimeError", "TQ_SMALL_CONFIG", "check_loopback", "start"]
+__all__ = ["LOOPBACK_ENV", "RUNTIME_ENV", "TQ_SMALL_CONFIG", "RayRuntime", "RayRuntimeError", "check_loopback",
+           "configure", "start"]

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from coordinator.data_plane import DataPlane, Ragged
+from coordinator.dataplane import DataPlane, Ragged
 from schemas.identity import capture_key
 
 TRAIN_PARTITION = "train"

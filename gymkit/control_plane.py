@@ -18,20 +18,33 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request, Response
 
+from gymkit.bodies import BodyTooLarge, read_body
+from gymkit.participant import CommitContext, Participant, part_prefix
 from schemas.control import (
-    CONTROL_PREFIX, MAX_BODY_BYTES, AcknowledgeRequest, Capabilities, CommitRequest, CommitResponse, ControlError,
-    ControlRequest, DiscardRequest, PhaseResponse, RestoreRequest, RestoreResponse,
+    CONTROL_PREFIX,
+    MAX_BODY_BYTES,
+    AcknowledgeRequest,
+    Capabilities,
+    CommitRequest,
+    CommitResponse,
+    ControlError,
+    ControlRequest,
+    DiscardRequest,
+    PhaseResponse,
+    RestoreRequest,
+    RestoreResponse,
 )
 from schemas.errors import (
-    InvalidPathError, InvalidRecordError, NotPublishedError, SnapshotError, TopologyMismatchError,
+    InvalidPathError,
+    InvalidRecordError,
+    NotPublishedError,
+    SnapshotError,
+    TopologyMismatchError,
 )
 from schemas.identity import check_relative_path
 from snapformat.draft import attach_part
 from snapformat.reader import open_snapshot
 from snapformat.snapshot_store import check_topology
-
-from gymkit.bodies import BodyTooLarge, read_body
-from gymkit.participant import Participant
 
 log = logging.getLogger("gymkit")
 
@@ -63,6 +76,7 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._draining: asyncio.Future | None = None  # the participant's prepare, while it runs
+        participant.admission_changed(self.admission())
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -72,7 +86,7 @@ class ControlPlane:
     @property
     def prefix(self) -> str:
         c = self.caps
-        return f"gym/{c.component}/{c.name}"
+        return part_prefix(c.component, c.name)
 
     def admission(self) -> str:
         if self.phase == "idle":
@@ -94,7 +108,10 @@ class ControlPlane:
 
     async def _set_phase(self, phase: str, cid: str | None) -> None:
         async with self._changed:
+            before = self.admission()
             self.phase, self.checkpoint_id = phase, cid
+            if self.admission() != before:  # the participant admits work by this, not by the phase
+                self.participant.admission_changed(self.admission())
             self._changed.notify_all()
 
     def _fence(self, cid: str, deadline: float | None, allowed: tuple[str, ...]) -> None:
@@ -172,7 +189,8 @@ class ControlPlane:
                 raise self._refuse(400, "bad_request", f"draft_url {req.draft_url[:200]!r}: {exc}") from None
             await self._set_phase("committing", req.checkpoint_id)
             try:
-                context = {"continuations": req.continuations, "draft_url": req.draft_url, "checkpoint_id": req.checkpoint_id}
+                context = CommitContext(checkpoint_id=req.checkpoint_id, deadline=req.deadline, draft_url=req.draft_url,
+                                        part_prefix=self.prefix, continuations=tuple(req.continuations))
                 payload = await asyncio.wait_for(self.participant.commit(part, context),
                                                  timeout=max(0.0, req.deadline - time.time()))
                 receipt = part.close() if part is not None else None
@@ -253,7 +271,7 @@ class ControlPlane:
             except BaseException as exc:
                 await self._set_phase("failed_restore", req.checkpoint_id)
                 if isinstance(exc, TimeoutError):
-                    raise self._refuse(500, "internal", f"restore did not finish before the deadline; call abort") from None
+                    raise self._refuse(500, "internal", "restore did not finish before the deadline; call abort") from None
                 raise
             await self._set_phase("restored_paused", req.checkpoint_id)
             answer = (200, msgspec.json.encode(RestoreResponse(checkpoint_id=req.checkpoint_id, phase="restored_paused",

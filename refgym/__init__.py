@@ -10,7 +10,8 @@ mounting the participant kit's ``/ng-control/v1`` routes:
 * ``resource_server``: per-session tool state with revisions; ``notes`` is exported, ``sandbox``
   is restart-only (rollouts that used it start over after a restore).
 
-``rules`` holds the pure functions all three share. For whoever drives them (tests, the demo):
-``client`` (one method per call), ``procs`` and ``forkserver`` (starting server processes), and
-``testing`` (fleets of servers, snapshots driven call by call, bounded waits). See README.md.
+``rules`` holds the pure functions all three share. What the tests and the demo drive them with
+(starting and killing server processes, a fork server, fleets of servers, snapshots, bounded waits)
+is tooling, not part of this package: ``devtools.gym_procs``, ``devtools.gym_forkserver`` and
+``devtools.gym_fleet``, which are not shipped. See README.md.
 """

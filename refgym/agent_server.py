@@ -31,19 +31,29 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from gymkit import ControlPlane, ControlRefused, Participant
+from gymkit import CommitContext, ControlPlane, ControlRefused, Participant
+from refgym import rules
+from refgym.api import (
+    REVISION_HEADER,
+    ApiRefused,
+    ModelCall,
+    ModelReply,
+    StartRollout,
+    ToolKind,
+    ToolReply,
+    decode,
+    health_routes,
+    install_error_handler,
+    paused,
+    reply,
+)
+from refgym.parts import invalid_records_refused, part_records
 from schemas.control import Capabilities, RolloutRef
 from schemas.errors import InvalidRecordError
 from schemas.gym_records import AgentContinuationRoot, AgentStateRecord
 from schemas.identity import capture_key, check_rollout_id
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
-from refgym import rules
-from refgym.api import (
-    REVISION_HEADER, ApiRefused, ModelCall, ModelReply, StartRollout, ToolKind, ToolReply, decode, health_routes,
-    install_error_handler, paused, reply,
-)
-from refgym.parts import invalid_records_refused, part_records
 
 log = logging.getLogger("refgym.agent")
 Outcome = Literal["running", "finished", "failed"]
@@ -163,7 +173,6 @@ class AgentParticipant(Participant):
         self.name = name
         self.model_url = model_url.rstrip("/")
         self.resource_url = resource_url.rstrip("/")
-        self.plane: ControlPlane | None = None
         self.http: httpx.AsyncClient | None = None
         self.rollouts: dict[str, Rollout] = {}
         self._gate = asyncio.Event()  # open: rollouts may start turns
@@ -218,7 +227,7 @@ class AgentParticipant(Participant):
         self.rollouts = {}
         self._open_gate()
 
-    async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
+    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
         assert part is not None and self._busy == 0, "commit runs only while every rollout is parked"
         rollouts = sorted(self.rollouts.values(), key=lambda r: r.rollout_id)
         parked = [r for r in rollouts if r.outcome == "running"]
@@ -294,8 +303,7 @@ class AgentParticipant(Participant):
             check_rollout_id(req.rollout_id)
         except InvalidRecordError as exc:
             raise ApiRefused(400, "invalid_record", str(exc)) from None
-        assert self.plane is not None
-        if self.plane.phase != "idle":
+        if not self.admits_work():
             raise paused("new rollout")
         if req.rollout_id in self.rollouts:
             raise ApiRefused(409, "conflict",
@@ -518,7 +526,6 @@ def create_app(name: str, token: str, model_url: str, resource_url: str) -> Fast
     """The agent server's FastAPI app: rollouts, results and the control routes."""
     participant = AgentParticipant(name, model_url, resource_url)
     plane = ControlPlane(participant, token)
-    participant.plane = plane
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -25,22 +25,30 @@ import msgspec
 import pyarrow as pa
 from fastapi import FastAPI, Request, Response
 
-from gymkit import ControlPlane, ControlRefused, Participant
+from gymkit import CommitContext, ControlPlane, ControlRefused, Participant, part_prefix
 from gymkit.token_store import TokenStore
+from refgym import rules
+from refgym.api import (
+    ApiRefused,
+    ModelCall,
+    ModelReply,
+    decode,
+    health_routes,
+    install_error_handler,
+    paused,
+    reply,
+)
+from refgym.inflight import InFlight
+from refgym.parts import invalid_records_refused, part_files, part_records
 from schemas.control import Capabilities
-from schemas.gym_records import AgentContinuationRoot, ModelLedgerEntry, TokenIndexEntry
 from schemas.errors import CorruptSnapshotError, InvalidRecordError
+from schemas.gym_records import AgentContinuationRoot, ModelLedgerEntry, TokenIndexEntry
 from schemas.identity import capture_key
 from schemas.token_entry import TOKEN_ENTRY_SCHEMA_VERSION, token_digest
+from snapformat import read_part_records
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
 from snapformat.token_rows import batch_entries, entries_batch
-from refgym import rules
-from refgym.inflight import InFlight
-from refgym.api import (
-    ApiRefused, ModelCall, ModelReply, decode, health_routes, install_error_handler, paused, reply,
-)
-from refgym.parts import draft_records, invalid_records_refused, part_files, part_records
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,6 @@ class ModelParticipant(Participant):
         self.model = f"refgym-policy-seed{seed}"
         self.slow_s = slow_ms / 1000
         self.commit_delay_s = commit_delay_ms / 1000  # test knob: hold a commit open to kill it there
-        self.plane: ControlPlane | None = None
         self.calls: dict[tuple[str, str], Call] = {}  # (capture_key, model_call_id) -> call
         self.closed_attempts: dict[str, int] = {}  # rollout_id -> highest attempt closed by restore
         self._calls = InFlight()
@@ -87,17 +94,17 @@ class ModelParticipant(Participant):
         return self._calls.count
 
     async def prepare(self, deadline: float) -> None:
-        """Pause: the kit already refuses new calls (phase is not idle); wait for 0 in flight."""
+        """Pause: new calls are already refused (the kit closed admission); wait for 0 in flight."""
         await self._calls.quiet()
 
     async def resume(self) -> None:
-        """Nothing to undo: admission opens when the kit's phase returns to idle."""
+        """Nothing to undo: the kit opens admission again once the checkpoint has ended."""
 
     async def reset(self) -> None:
         """An aborted restore: forget the loaded ledger (restore only runs on an empty server)."""
         self.calls, self.closed_attempts = {}, {}
 
-    async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
+    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
         assert part is not None
         continuations = self._continuations(context)
         calls = self._committed_calls(continuations)
@@ -127,14 +134,14 @@ class ModelParticipant(Participant):
         return {"calls": len(calls), "closed_runs": sorted(capture_key(r, a) for r, a in closed.items())}
 
     # -- commit and restore helpers -----------------------------------------------------------
-    def _continuations(self, context: dict[str, Any]) -> list[AgentContinuationRoot]:
+    def _continuations(self, context: CommitContext) -> list[AgentContinuationRoot]:
         """The continuation lines of every agent part whose receipt the commit was given."""
         out: list[AgentContinuationRoot] = []
         with invalid_records_refused():
-            for receipt in context["continuations"]:
-                if not receipt.prefix.startswith("gym/agent/"):
+            for receipt in context.continuations:
+                if not receipt.prefix.startswith(part_prefix("agent", "")):
                     raise ControlRefused(400, "bad_request", f"continuations: {receipt.prefix!r} is not an agent part")
-                out.extend(draft_records(context["draft_url"], receipt, "continuations"))
+                out.extend(read_part_records(context.draft_url, receipt, "continuations"))
         return out
 
     def _committed_calls(self, continuations: list[AgentContinuationRoot]) -> list[Call]:
@@ -205,8 +212,7 @@ class ModelParticipant(Participant):
                              f"{req.attempt_index} of {req.rollout_id!r} has key {key!r}")
         if any(t < 0 or t >= rules.VOCAB for t in req.prompt_token_ids):
             raise ApiRefused(400, "bad_request", f"prompt_token_ids: every id must be in [0, {rules.VOCAB})")
-        assert self.plane is not None
-        if self.plane.phase != "idle":
+        if not self.admits_work():
             raise paused("model call")
         if (known := self.calls.get((key, req.model_call_id))) is not None:
             return self._replay(known, req)
@@ -298,7 +304,6 @@ def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_de
     store = TokenStore(token_store) if token_store else None
     participant = ModelParticipant(name, seed, slow_ms, commit_delay_ms, token_store=store)
     plane = ControlPlane(participant, token)
-    participant.plane = plane
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield

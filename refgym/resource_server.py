@@ -22,21 +22,29 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from gymkit import ControlPlane, ControlRefused, Participant
+from gymkit import CommitContext, ControlPlane, ControlRefused, Participant
+from refgym import rules
+from refgym.api import (
+    REVISION_HEADER,
+    ApiRefused,
+    SessionId,
+    ToolCall,
+    ToolReply,
+    decode,
+    health_routes,
+    install_error_handler,
+    paused,
+    reply,
+)
+from refgym.faults import Faults
+from refgym.inflight import InFlight
+from refgym.parts import invalid_records_refused, part_records
 from schemas.control import Capabilities
 from schemas.errors import InvalidRecordError
 from schemas.gym_records import SessionStateRecord
 from schemas.identity import check_rollout_id
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
-from refgym import rules
-from refgym.inflight import InFlight
-from refgym.api import (
-    REVISION_HEADER, ApiRefused, SessionId, ToolCall, ToolReply, decode, health_routes,
-    install_error_handler, paused, reply,
-)
-from refgym.faults import Faults
-from refgym.parts import invalid_records_refused, part_records
 
 _ARGS = {"notes": {"value"}, "sandbox": {"code"}}
 
@@ -53,7 +61,6 @@ class ResourceParticipant(Participant):
         self.name = name
         self.slow_s = slow_ms / 1000
         self.faults = Faults()
-        self.plane: ControlPlane | None = None
         self.sessions: dict[tuple[str, str], Session] = {}  # (tool kind, session id) -> session
         self._calls = InFlight()
 
@@ -65,18 +72,18 @@ class ResourceParticipant(Participant):
         return self._calls.count
 
     async def prepare(self, deadline: float) -> None:
-        """Freeze: the kit already refuses new calls; wait for the admitted ones to finish."""
+        """Freeze: new calls are already refused (the kit closed admission); wait for the admitted ones."""
         await self.faults.before_prepare()
         await self._calls.quiet()
 
     async def resume(self) -> None:
-        """Nothing to undo: calls are admitted again once the kit's phase is idle."""
+        """Nothing to undo: the kit opens admission again once the checkpoint has ended."""
 
     async def reset(self) -> None:
         """An aborted restore: forget the loaded sessions (restore only runs on an empty server)."""
         self.sessions = {}
 
-    async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
+    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
         assert part is not None
         self.faults.before_commit()
         records = [
@@ -112,8 +119,7 @@ class ResourceParticipant(Participant):
 
     # -- the tools -----------------------------------------------------------------------------
     def _admit(self, what: str) -> None:
-        assert self.plane is not None
-        if self.plane.phase != "idle":
+        if not self.admits_work():
             raise paused(what)
 
     async def tool(self, kind: str, req: ToolCall) -> ToolReply:
@@ -163,7 +169,6 @@ def create_app(name: str, token: str, slow_ms: int = 0, test_faults: bool = Fals
     """The resource server's FastAPI app: tools, session reset, a session view and the control routes."""
     participant = ResourceParticipant(name, slow_ms)
     plane = ControlPlane(participant, token)
-    participant.plane = plane
     app = FastAPI(title=f"refgym resource server {name}")
     app.state.participant = participant
     app.include_router(plane.router())

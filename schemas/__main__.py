@@ -1,4 +1,5 @@
-"""``python -m schemas DIR``: export the JSON Schema of every record into DIR."""
+"""``python -m schemas DIR``: export the JSON Schema of every record into DIR (``make schemas``:
+``spec/jsonschema``)."""
 
 import sys
 

@@ -16,6 +16,11 @@ SchemaVersion = Annotated[int, msgspec.Meta(ge=1)]
 RolloutId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 CallId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
+#: The description of every record's ``schema_version`` field (the same in each record).
+SCHEMA_VERSION_META = msgspec.Meta(
+    description="Version of this record's schema; 1 in format 1.0. Readers refuse a value above the one "
+                "they understand.")
+
 
 class AgentContinuationRoot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One line of ``continuations.jsonl``: a rollout parked at a turn end, as Gym's
@@ -27,12 +32,21 @@ class AgentContinuationRoot(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     revision it saw; null (the default) means an index written before dependency tracking.
     """
 
-    schema_version: SchemaVersion = 1  # Gym: literal 1; a reader refuses a newer one naming both versions
-    rollout_id: RolloutId
-    attempt_index: NonNeg
-    capture_key: Str
-    last_committed_model_call_id: CallId
-    resource_state_revisions: dict[str, int] | None = None
+    # Gym: literal 1; a reader refuses a newer one naming both versions
+    schema_version: Annotated[SchemaVersion, SCHEMA_VERSION_META] = 1
+    rollout_id: Annotated[RolloutId, msgspec.Meta(description="The rollout (Gym's rollout id rule).")]
+    attempt_index: Annotated[NonNeg, msgspec.Meta(
+        description="The run of the rollout that was parked (0 for the first run).")]
+    capture_key: Annotated[Str, msgspec.Meta(
+        description="Gym's capture key of that run: `rollout_id`, or `<rollout_id>-a<N>` with "
+                    "1 <= N <= `attempt_index`.")]
+    last_committed_model_call_id: Annotated[CallId, msgspec.Meta(
+        description="The model call that ended the rollout's last finished turn (non-empty); on restore "
+                    "the rollout continues after it. A rollout parked before its first call has no line.")]
+    resource_state_revisions: Annotated[dict[str, int] | None, msgspec.Meta(
+        description="For each resource server the rollout depends on (by its participant name), the state "
+                    "revision it saw; `{}` when it depends on none; null (the default) in an index written "
+                    "before dependency tracking.")] = None
 
     def __post_init__(self) -> None:
         check_capture_key(self.rollout_id, self.capture_key, self.attempt_index)
@@ -45,14 +59,22 @@ class AgentStateRecord(msgspec.Struct, frozen=True, kw_only=True):
     names restart-only resources the rollout used: such a rollout is discarded on restore.
     """
 
-    schema_version: SchemaVersion = 1
-    rollout_id: RolloutId
-    attempt_index: NonNeg
-    capture_key: Str
-    status: Literal["parked", "finished_unacked"]
-    turn_index: NonNeg
-    state: Any = None
-    restart_only: list[Name] = []
+    schema_version: Annotated[SchemaVersion, SCHEMA_VERSION_META] = 1
+    rollout_id: Annotated[RolloutId, msgspec.Meta(description="The rollout.")]
+    attempt_index: Annotated[NonNeg, msgspec.Meta(description="The run this state belongs to.")]
+    capture_key: Annotated[Str, msgspec.Meta(
+        description="Gym's capture key of that run (same rule as in continuations).")]
+    status: Annotated[Literal["parked", "finished_unacked"], msgspec.Meta(
+        description="`parked` (stopped at a turn end, to be continued) or `finished_unacked` (finished, its "
+                    "result not yet acknowledged).")]
+    turn_index: Annotated[NonNeg, msgspec.Meta(
+        description="Number of turns finished, i.e. the 0-based index of the turn to run next.")]
+    state: Annotated[Any, msgspec.Meta(
+        description="The agent's own state of the rollout (conversation so far, counters...): opaque "
+                    "JSON.")] = None
+    restart_only: Annotated[list[Name], msgspec.Meta(
+        description="Restart-only resources the rollout used; such a rollout is discarded on restore and "
+                    "starts over.")] = []
 
     def __post_init__(self) -> None:
         check_capture_key(self.rollout_id, self.capture_key, self.attempt_index)
@@ -61,15 +83,16 @@ class AgentStateRecord(msgspec.Struct, frozen=True, kw_only=True):
 class ModelLedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     """One committed model call (the policy model server's ledger)."""
 
-    schema_version: SchemaVersion = 1
-    rollout_id: RolloutId
-    attempt_index: NonNeg
-    capture_key: Str
-    model_call_id: CallId
-    parent_call_id: CallId | None
-    turn_index: NonNeg
-    model: Str = ""
-    created_at: float = 0.0
+    schema_version: Annotated[SchemaVersion, SCHEMA_VERSION_META] = 1
+    rollout_id: Annotated[RolloutId, msgspec.Meta(description="The rollout that made the call.")]
+    attempt_index: Annotated[NonNeg, msgspec.Meta(description="The run that made the call.")]
+    capture_key: Annotated[Str, msgspec.Meta(description="Gym's capture key of that run.")]
+    model_call_id: Annotated[CallId, msgspec.Meta(description="The call's id, unique within its capture key.")]
+    parent_call_id: Annotated[CallId | None, msgspec.Meta(
+        description="The previous committed call of the same capture key; null for the first.")]
+    turn_index: Annotated[NonNeg, msgspec.Meta(description="0-based turn in which the call was made.")]
+    model: Annotated[Str, msgspec.Meta(description="Name of the model that answered (empty when unknown).")] = ""
+    created_at: Annotated[float, msgspec.Meta(description="Unix seconds of the call (0.0 when unknown).")] = 0.0
 
     def __post_init__(self) -> None:
         check_capture_key(self.rollout_id, self.capture_key, self.attempt_index)
@@ -82,13 +105,17 @@ class TokenIndexEntry(msgspec.Struct, frozen=True, kw_only=True):
     ``row_start + row_count - 1`` of record batch ``batch`` of that Arrow file.
     """
 
-    schema_version: SchemaVersion = 1
-    capture_key: Str
-    model_call_id: CallId
-    file: RelPath
-    batch: NonNeg
-    row_start: NonNeg
-    row_count: Annotated[int, msgspec.Meta(ge=1)]
+    schema_version: Annotated[SchemaVersion, SCHEMA_VERSION_META] = 1
+    capture_key: Annotated[Str, msgspec.Meta(description="Capture key of the call whose tokens are indexed.")]
+    model_call_id: Annotated[CallId, msgspec.Meta(description="The model call.")]
+    file: Annotated[RelPath, msgspec.Meta(
+        description="Path, relative to the snapshot folder, of a `token_capture_rows` file of this "
+                    "snapshot.")]
+    batch: Annotated[NonNeg, msgspec.Meta(description="0-based record batch of that Arrow file.")]
+    row_start: Annotated[NonNeg, msgspec.Meta(description="First row, 0-based within the batch.")]
+    row_count: Annotated[int, msgspec.Meta(ge=1), msgspec.Meta(
+        description="Number of rows (>= 1); every one of them MUST carry this `capture_key` and "
+                    "`model_call_id`.")]
 
     def __post_init__(self) -> None:
         check_relative_path(self.file, where="file")
@@ -102,13 +129,21 @@ class SessionStateRecord(msgspec.Struct, frozen=True, kw_only=True):
     within that server. Records written before ``tool`` existed held the tool in ``resource``.
     """
 
-    schema_version: SchemaVersion = 1
-    session_id: Str
-    resource: Name
-    state_revision: NonNeg
-    rollout_id: RolloutId | None = None
-    state: Any = None
-    tool: Name | None = None
+    schema_version: Annotated[SchemaVersion, SCHEMA_VERSION_META] = 1
+    session_id: Annotated[Str, msgspec.Meta(
+        description="The resource session's id, unique within its resource server.")]
+    resource: Annotated[Name, msgspec.Meta(
+        description="Name of the resource server that owns the session, as the participant names itself "
+                    "(its capability `name`); the keys of `resource_state_revisions` name it the same way.")]
+    state_revision: Annotated[NonNeg, msgspec.Meta(description="State revision the exported state is at.")]
+    rollout_id: Annotated[RolloutId | None, msgspec.Meta(
+        description="The rollout that owns the session, or null for a session not tied to one "
+                    "rollout.")] = None
+    state: Annotated[Any, msgspec.Meta(description="The session's exported state: opaque JSON.")] = None
+    tool: Annotated[Name | None, msgspec.Meta(
+        description="The kind of session within the resource server (a tool name), or null. Records "
+                    "written before this field existed held the tool in `resource`; a reader MAY take "
+                    "`resource` as the tool when `tool` is null.")] = None
 
     def __post_init__(self) -> None:
         if self.rollout_id is not None:

@@ -1,7 +1,9 @@
 """JSON Schema for every persisted record, so that a service in another language can write its part.
 
-``python -m schemas DIR`` writes one ``<Record>.schema.json`` per record into ``DIR``; the files in
-``spec/schemas/`` are generated this way and a test keeps them equal to the structs.
+``python -m schemas DIR`` writes one ``<Record>.schema.json`` per record into ``DIR`` (and one per
+control message into ``DIR/control``); the files in ``spec/jsonschema/`` are generated this way
+(``make schemas``) and a test keeps them equal to the structs. Every property carries its field's
+``msgspec.Meta`` description, the same text as the spec's tables.
 """
 
 from __future__ import annotations
@@ -12,13 +14,25 @@ from typing import Any
 
 import msgspec
 
+from schemas.control import (
+    AcknowledgeRequest,
+    Capabilities,
+    CommitRequest,
+    CommitResponse,
+    ControlError,
+    ControlRequest,
+    DiscardRequest,
+    PhaseResponse,
+    RestoreRequest,
+    RestoreResponse,
+)
 from schemas.controller import LoaderPlace, RecoveryLedgerRecord, ReplayIndexEntry
 from schemas.gym_records import (
-    AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
-)
-from schemas.control import (
-    AcknowledgeRequest, Capabilities, CommitRequest, CommitResponse, ControlError, ControlRequest, DiscardRequest,
-    PhaseResponse, RestoreRequest, RestoreResponse,
+    AgentContinuationRoot,
+    AgentStateRecord,
+    ModelLedgerEntry,
+    SessionStateRecord,
+    TokenIndexEntry,
 )
 from schemas.manifest import CommitRecord, LatestHint, Manifest, PartManifest, PartReceipt, StoreMarker
 
@@ -59,10 +73,13 @@ def json_schema(name: str) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of one record or control message."""
     if name in RECORDS:
         schema, sid = msgspec.json.schema(RECORDS[name]), f"snapformat/1/{name}.schema.json"
+        comment = "Specified in spec/SPEC.md; section numbers (§) are SPEC's, 'CONTROL §' are spec/CONTROL.md's."
     else:
         schema, sid = msgspec.json.schema(CONTROL_MESSAGES[name]), f"snapformat/1/control/{name}.schema.json"
+        comment = "Specified in spec/CONTROL.md; section numbers (§) are CONTROL's, 'SPEC §' are spec/SPEC.md's."
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = sid
+    schema["$comment"] = comment
     return schema
 
 

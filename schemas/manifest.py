@@ -2,6 +2,10 @@
 
 Persisted records never forbid unknown fields (a newer minor version may add some); new fields
 always get defaults. Limits (``Meta``) bound what a reader of untrusted bytes will accept.
+
+Every field of a persisted record (here and in ``gym_records``, ``controller`` and ``control``)
+carries its meaning as ``msgspec.Meta(description=...)``: the spec's tables
+(``spec/render_spec_schemas.py``) and the exported JSON Schemas are generated from it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ Str = Annotated[str, msgspec.Meta(max_length=4096)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 RelPath = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-Checksum = Annotated[str, msgspec.Meta(pattern=r"^(xxh128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$")]
-Fingerprint = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
+# ``$(?![\s\S])``, not ``$``: msgspec matches with Python's ``re.search``, whose ``$`` also matches
+# before a final newline, and every pattern of the spec is a whole-string match (the lookahead reads
+# the same in JSON Schema's ECMA regexes).
+Checksum = Annotated[str, msgspec.Meta(pattern=r"^(xxh128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$(?![\s\S])")]
+Fingerprint = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$(?![\s\S])")]
 
 #: What each file of a snapshot holds; decides how it is parsed and which struct or Arrow schema
 #: it must follow. Readers ignore files of kinds they do not know (verify still checks bytes).
@@ -46,96 +53,151 @@ Compression = Literal["none", "zstd"]
 class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
     """One file of a snapshot: where it is, how big, how many records, and its checksum."""
 
-    path: RelPath  # relative to the snapshot folder, '/'-separated, every segment a safe name
-    kind: Str
-    size: NonNeg  # bytes as stored
-    checksum: Checksum  # over the stored bytes
-    records: NonNeg  # rows (Arrow), lines (JSON lines) or 1 (JSON)
-    compression: Compression = "none"  # 'zstd': one zstd frame over the whole JSON-lines file
-    content_size: NonNeg | None = None  # uncompressed bytes when compression == 'zstd'
-    batches: NonNeg | None = None  # record batches in an Arrow file
-    writer: Str = ""  # which participant wrote it (its part prefix)
+    path: Annotated[RelPath, msgspec.Meta(
+        description="Location relative to the snapshot folder: `/`-separated, every segment a safe name "
+                    "(see Identifiers and paths).")]
+    kind: Annotated[Str, msgspec.Meta(
+        description="What the file holds (see Parts). Readers ignore kinds they do not know, except that "
+                    "verification still checks their bytes.")]
+    size: Annotated[NonNeg, msgspec.Meta(description="Exact size in bytes of the file as stored.")]
+    checksum: Annotated[Checksum, msgspec.Meta(
+        description="Checksum over the bytes as stored (after any compression).")]
+    records: Annotated[NonNeg, msgspec.Meta(
+        description="Rows (row parts), lines (JSON-lines parts) or 1 (JSON parts).")]
+    compression: Annotated[Compression, msgspec.Meta(
+        description="Whole-file compression: `none`, or `zstd` (one zstd frame over a JSON-lines file). "
+                    "MUST be `none` for row and JSON parts.")] = "none"
+    content_size: Annotated[NonNeg | None, msgspec.Meta(
+        description="Uncompressed size in bytes; REQUIRED (non-null) when `compression` is `zstd`, "
+                    "null otherwise.")] = None
+    batches: Annotated[NonNeg | None, msgspec.Meta(
+        description="Number of Arrow record batches in a row part; null for other parts.")] = None
+    writer: Annotated[Str, msgspec.Meta(
+        description="Label of the participant that wrote the file (by default its part prefix). "
+                    "Informative.")] = ""
 
 
 class PartManifest(msgspec.Struct, frozen=True, kw_only=True):
     """What one writer (a Gym server, the controller, the TQ adapter) wrote under its prefix."""
 
-    format_version: Str
-    snapshot_id: Name
-    prefix: RelPath
-    writer: Str
-    files: list[FileEntry]
-    written_at: float
+    format_version: Annotated[Str, msgspec.Meta(description="Format version the participant wrote.")]
+    snapshot_id: Annotated[Name, msgspec.Meta(
+        description="The draft's snapshot id; MUST equal the folder the part lies in.")]
+    prefix: Annotated[RelPath, msgspec.Meta(description="The part's prefix, relative to the snapshot folder.")]
+    writer: Annotated[Str, msgspec.Meta(
+        description="Label of the participant (e.g. `agent:agent0`); copied into each file entry's `writer`.")]
+    files: Annotated[list[FileEntry], msgspec.Meta(
+        description="Every file of the part except `part-manifest.json` itself; each `path` MUST lie "
+                    "under `prefix`.")]
+    written_at: Annotated[float, msgspec.Meta(description="Unix seconds at which the part was closed.")]
 
 
 class PartReceipt(msgspec.Struct, frozen=True, kw_only=True):
     """What a writer hands back after writing its part: enough for the publisher to find and check
     the part manifest. It travels over HTTP in Gym's commit result."""
 
-    prefix: RelPath
-    writer: Str
-    part_manifest_checksum: Checksum
+    prefix: Annotated[RelPath, msgspec.Meta(description="The part's prefix.")]
+    writer: Annotated[Str, msgspec.Meta(description="The participant's label, as in its part manifest.")]
+    part_manifest_checksum: Annotated[Checksum, msgspec.Meta(
+        description="Checksum of the bytes of `<prefix>/part-manifest.json`; the publisher refuses a part "
+                    "manifest with another checksum.")]
 
 
 class ParticipantCommit(msgspec.Struct, frozen=True, kw_only=True):
     """One Gym participant's commit result, as the manifest keeps it."""
 
-    component: Str  # model | agent | resource
-    name: Name
-    part_prefix: RelPath | None = None  # None for a stateless participant that wrote nothing
-    part_manifest_checksum: Checksum | None = None
-    payload: dict[str, Any] = {}
+    component: Annotated[Str, msgspec.Meta(description="`agent`, `model` or `resource`.")]
+    name: Annotated[Name, msgspec.Meta(description="The participant's name (a safe name).")]
+    part_prefix: Annotated[RelPath | None, msgspec.Meta(
+        description="Prefix of the part it wrote, or null for a stateless participant that wrote "
+                    "nothing.")] = None
+    part_manifest_checksum: Annotated[Checksum | None, msgspec.Meta(
+        description="Checksum of its `part-manifest.json`, as it reported in its commit result; null when "
+                    "`part_prefix` is null.")] = None
+    payload: Annotated[dict[str, Any], msgspec.Meta(
+        description="The participant's own commit payload (opaque JSON object, kept verbatim).")] = {}
 
 
 class GymCommit(msgspec.Struct, frozen=True, kw_only=True):
     """Gym's commit result: the checkpoint id and each participant's commit."""
 
-    checkpoint_id: Str
-    participants: list[ParticipantCommit] = []
+    checkpoint_id: Annotated[Str, msgspec.Meta(
+        description="The checkpoint id Gym's control calls carried for this snapshot.")]
+    participants: Annotated[list[ParticipantCommit], msgspec.Meta(
+        description="Each Gym participant's commit, in commit order (agents, then models, then "
+                    "resources).")] = []
 
 
 class ParentRef(msgspec.Struct, frozen=True, kw_only=True):
-    snapshot_id: Name
-    sequence: NonNeg
+    snapshot_id: Annotated[Name, msgspec.Meta(description="The parent snapshot's id.")]
+    sequence: Annotated[NonNeg, msgspec.Meta(description="The parent snapshot's sequence number.")]
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """The table of contents of one snapshot; written once by the publisher, never changed."""
 
-    format_version: Str
-    required_features: list[Str] = []
-    snapshot_id: Name
-    sequence: Annotated[int, msgspec.Meta(ge=1)]
-    created_at: float  # unix seconds, when the draft was begun
-    committed_at: float  # unix seconds, when the publisher sealed the manifest to commit it
-    files: Annotated[list[FileEntry], msgspec.Meta(max_length=1_000_000)]
-    gym_commit: GymCommit | None = None
-    topology_fingerprint: Fingerprint | None = None
-    parent: ParentRef | None = None
-    timings_s: dict[Str, float] = {}
-    producer: Str = ""
+    format_version: Annotated[Str, msgspec.Meta(
+        description="Format version the publisher wrote. Readers refuse another major version.")]
+    required_features: Annotated[list[Str], msgspec.Meta(
+        description="Features a reader MUST implement to read this snapshot correctly (see Features): "
+                    "`dataplane_rows` when it holds a file of that kind, else empty (always empty in "
+                    "1.0).")] = []
+    snapshot_id: Annotated[Name, msgspec.Meta(description="This snapshot's id (its folder name).")]
+    sequence: Annotated[int, msgspec.Meta(ge=1), msgspec.Meta(
+        description="This snapshot's sequence number (>= 1).")]
+    created_at: Annotated[float, msgspec.Meta(description="Unix seconds at which the draft was begun.")]
+    committed_at: Annotated[float, msgspec.Meta(
+        description="Unix seconds at which the publisher sealed the manifest to commit it.")]
+    files: Annotated[list[FileEntry], msgspec.Meta(max_length=1_000_000), msgspec.Meta(
+        description="Every file of the snapshot, part manifests included. A file not listed here is not "
+                    "part of the snapshot.")]
+    gym_commit: Annotated[GymCommit | None, msgspec.Meta(
+        description="Gym's commit result for this snapshot, or null when no Gym took part.")] = None
+    topology_fingerprint: Annotated[Fingerprint | None, msgspec.Meta(
+        description="Fingerprint of the participants that took the snapshot, or null when none was "
+                    "recorded.")] = None
+    parent: Annotated[ParentRef | None, msgspec.Meta(
+        description="The newest committed snapshot when this draft was begun, or null for the first "
+                    "snapshot of a store. Informative: the parent may since have been deleted (or not "
+                    "copied along).")] = None
+    timings_s: Annotated[dict[Str, float], msgspec.Meta(
+        description="Informative durations in seconds (e.g. of the pause, of each phase). Readers MUST "
+                    "NOT depend on them.")] = {}
+    producer: Annotated[Str, msgspec.Meta(
+        description="Informative name and version of the software that published the snapshot.")] = ""
 
 
 class CommitRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The commit point: created once, create-only, under ``_commits/``; names its manifest."""
 
-    format_version: Str
-    sequence: Annotated[int, msgspec.Meta(ge=1)]
-    snapshot_id: Name
-    manifest_size: NonNeg
-    manifest_checksum: Checksum
-    committed_at: float
+    format_version: Annotated[Str, msgspec.Meta(
+        description="Format version the publisher wrote (`<major>.<minor>`).")]
+    sequence: Annotated[int, msgspec.Meta(ge=1), msgspec.Meta(
+        description="The snapshot's sequence number; MUST equal the sequence encoded in this file's name.")]
+    snapshot_id: Annotated[Name, msgspec.Meta(
+        description="Folder of the snapshot under `snapshots/`; the manifest read from there MUST carry "
+                    "the same id.")]
+    manifest_size: Annotated[NonNeg, msgspec.Meta(
+        description="Exact size in bytes of `snapshots/<snapshot_id>/manifest.json`.")]
+    manifest_checksum: Annotated[Checksum, msgspec.Meta(description="Checksum of the bytes of `manifest.json`.")]
+    committed_at: Annotated[float, msgspec.Meta(
+        description="Unix seconds at which the publisher sealed the manifest (equal to the manifest's "
+                    "`committed_at`).")]
 
 
 class LatestHint(msgspec.Struct, frozen=True, kw_only=True):
     """Advisory pointer to the newest sequence; readers verify it and never trust it alone."""
 
-    sequence: Annotated[int, msgspec.Meta(ge=1)]
-    snapshot_id: Name
+    sequence: Annotated[int, msgspec.Meta(ge=1), msgspec.Meta(
+        description="A recently published sequence (normally the newest). Advisory only.")]
+    snapshot_id: Annotated[Name, msgspec.Meta(description="The snapshot id of that sequence (informative).")]
 
 
 class StoreMarker(msgspec.Struct, frozen=True, kw_only=True):
     """``snapformat-store.json``: says that a folder or prefix is a snapshot store."""
 
-    format: Literal["snapformat-store"] = "snapformat-store"
-    format_version: Str = "1.0"
+    format: Annotated[Literal["snapformat-store"], msgspec.Meta(
+        description="Always `snapformat-store`: says that this folder or prefix is a snapshot store.")] = (
+        "snapformat-store")
+    format_version: Annotated[Str, msgspec.Meta(
+        description="Format version of the store's layout (`<major>.<minor>`).")] = "1.0"

@@ -112,6 +112,71 @@ ROW_SCHEMAS: dict[str, pa.Schema] = {
     "dataplane_rows": DATAPLANE_SCHEMA,
 }
 
+#: What each column of the current row schemas means, per kind: the spec's column tables are
+#: rendered from it (``spec/render_spec_schemas.py``, which refuses a column without a meaning).
+#: Kept here, not as Arrow field metadata, so that the bytes of every row file stay the same.
+COLUMN_DESCRIPTIONS: dict[str, dict[str, str]] = {
+    "training_rows": {
+        "key": "The sample's key in the data plane (TQ).",
+        "partition_id": "The data-plane partition holding the sample.",
+        "rollout_id": "The rollout the sample came from (Gym's rollout id rule).",
+        "attempt_index": "The run of that rollout that produced it (>= 0).",
+        "input_ids": "The whole token sequence of the sample (prompt and generation).",
+        "input_lengths": "Number of valid tokens in `input_ids`.",
+        "generation_logprobs": "Per-token log probabilities under the policy that generated the sample.",
+        "prev_logprobs": "Per-token log probabilities under the previous policy.",
+        "reference_policy_logprobs": "Per-token log probabilities under the reference policy.",
+        "advantages": "Per-token advantages.",
+        "token_mask": "Per token: 1 where the loss applies, 0 elsewhere.",
+        "sample_mask": "Weight of the whole sample (0 drops it from the loss).",
+    },
+    "token_capture_rows": {
+        "schema_version": "Gym's `TokenEntry.schema_version` of the record (1 for nemo-gym 0.7.0); a reader "
+                          "refuses one above the version it understands, naming both.",
+        "rollout_id": "The rollout that made the model call: the capture key without its `-a<N>` suffix.",
+        "attempt_index": "The run that made it (>= 0): N of the capture key's `-a<N>` suffix, 0 without one.",
+        "capture_key": "Gym's `TokenEntry.rollout_id` (which holds the capture key); MUST equal the capture key "
+                       "of (`rollout_id`, `attempt_index`).",
+        "model_call_id": "The model call; one call may span several consecutive rows of one batch.",
+        "model": "Name of the model that answered; null reads as Gym's default `\"\"`.",
+        "prompt_token_ids": "Prompt token ids (only those after the parent call's when `prompt_is_delta` is "
+                            "true).",
+        "generation_token_ids": "Generated token ids.",
+        "generation_log_probs": "Log probability of each generated token (as Gym holds it, a 64-bit float); "
+                                "same length as `generation_token_ids`.",
+        "routed_experts": "Gym's `routed_experts` (any JSON value) as JSON text; null is None.",
+        "output_items": "Gym's `output_items` (a list of objects) as JSON text; null reads as `[]`.",
+        "token_item_index": "Index of the output item that carried these tokens, or null.",
+        "response_id": "Id of the model response returned to the client, or null.",
+        "created_at": "Unix seconds of the call; null reads as Gym's default 0.0.",
+        "parent_call_id": "The parent call, present exactly when `parent_resolution` is `resolved` (or, with "
+                          "no resolution recorded, as the writer gave it).",
+        "cum_len": "Length of the whole cumulative token sequence up to and including this call, or null when "
+                   "not stamped.",
+        "digest": "Gym's digest of that cumulative sequence (§6), or null when not stamped.",
+        "parent_resolution": "`root`, `resolved` or `unresolved`: the request-time parent decision; null when "
+                             "not recorded.",
+        "continuation_fingerprint": "Gym's fingerprint of the model-authored output, for request-time parent "
+                                    "resolution; null reads as `\"\"`.",
+        "continuation_context_len": "Number of request items the call saw; null reads as 0.",
+        "continuation_context_digest": "Gym's digest of those request items; null reads as `\"\"`.",
+        "parent_resolution_reason": "The resolver's reason for its decision; null reads as `\"\"`.",
+        "fingerprint_version": "The fingerprint algorithm's version, or null.",
+        "prompt_is_delta": "True when `prompt_token_ids` holds only the tokens after the parent's cumulative "
+                           "sequence (needs a resolved parent); null reads as false.",
+        "prefix_requested": "Gym's prefix-supply request flag; null reads as false.",
+        "prefix_supplied": "True only when generation-time prompt ids prove the prefix was applied; null reads "
+                           "as false.",
+        "extra_fields": "The TokenEntry's fields unknown to this schema (Gym keeps them), as one JSON object; "
+                        "null when there are none.",
+    },
+    "dataplane_rows": {
+        "key": "The row's key in the data plane.",
+        "partition_id": "The data-plane partition holding the row.",
+        "row_tags": "The row's tag as JSON text (null reads as `{}`); carries the `dataplane.layout` metadata.",
+    },
+}
+
 #: Per kind, the schema of each file version a reader accepts (the newest is the one written).
 SCHEMA_VERSIONS: dict[str, dict[int, pa.Schema]] = {
     "token_capture_rows": {1: TOKEN_CAPTURE_SCHEMA_V1, 2: TOKEN_CAPTURE_SCHEMA},

@@ -24,7 +24,7 @@ from snapformat.kinds import ALIASES, storage_of
 from snapformat.progress import Progress
 from snapformat.reader import Snapshot, load_manifest, open_snapshot
 from snapformat.retention import DEFAULT_DRAFT_MIN_AGE_S
-from snapformat.snapshot_store import SnapshotStore
+from snapformat.snapshot_store import SnapshotStore, stores_under
 from snapformat.token_rows import iter_entries
 from snapformat.verify import verify_snapshot
 
@@ -57,7 +57,13 @@ def _open(target: str) -> Snapshot:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store = SnapshotStore(args.store)
-    store.check_marker()
+    try:
+        store.check_marker()
+    except NotPublishedError:
+        stores = stores_under(args.store)
+        if not stores:
+            raise
+        return _ls_stores(args, stores)
     rows = []
     for commit in store.list():
         manifest = load_manifest(store.store, commit)
@@ -77,6 +83,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{args.store}: no published snapshots")
     for r in rows:
         print(f"{r['sequence']:>6}  {r['committed_at']}  {r['files']:>4} files  {r['bytes'] / 2**20:>10.1f} MiB  {r['url']}")
+    return 0
+
+
+def _ls_stores(args: argparse.Namespace, stores: list[SnapshotStore]) -> int:
+    """``ls`` of a folder that holds stores (``demo-store/``): each store and its newest snapshot."""
+    rows = []
+    for store in stores:
+        commits = store.list()
+        newest = commits[0] if commits else None
+        rows.append({
+            "store": store.url,
+            "snapshots": len(commits),
+            "newest_sequence": newest.sequence if newest else None,
+            "newest_committed_at": _time(newest.committed_at) if newest else None,
+            "newest_url": store.store.display(layout.snapshot_dir(newest.snapshot_id)) if newest else None,
+        })
+    if args.json:
+        _emit_json(rows)
+        return 0
+    print(f"{args.store}: not a snapshot store; it holds {len(rows)} store(s):")
+    for r in rows:
+        newest = (f"newest {r['newest_sequence']} at {r['newest_committed_at']}  {r['newest_url']}"
+                  if r["newest_sequence"] else "no published snapshot")
+        print(f"  {r['store']}  {r['snapshots']:>4} snapshots  {newest}")
     return 0
 
 
@@ -149,10 +179,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"FAIL {p.message}", file=sys.stderr)
         print(f"FAILED {report.snapshot}: {len(report.problems)} problem(s)", file=sys.stderr)
     return 0 if report.ok else 1
-
-
-def _jsonable(value: Any) -> Any:
-    return msgspec.to_builtins(value)
 
 
 def _rows_iter(snap: Snapshot, part: str) -> Iterator[pa.RecordBatch]:

@@ -16,7 +16,11 @@ import pyarrow as pa
 
 from schemas.controller import AckOwed, LoaderPlace, PromptGroup, ReplayIndexEntry, RolloutAttempt
 from schemas.gym_records import (
-    AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
+    AgentContinuationRoot,
+    AgentStateRecord,
+    ModelLedgerEntry,
+    SessionStateRecord,
+    TokenIndexEntry,
 )
 from schemas.identity import capture_key
 from schemas.manifest import GymCommit, ParticipantCommit
@@ -24,6 +28,7 @@ from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
 from schemas.token_entry import token_digest
 from schemas.topology import topology_fingerprint
 from snapformat.draft import PartReceipt, SnapshotDraft
+from snapformat.layout import gym_part_prefix
 
 AGENT, MODEL, RESOURCE = "agent0", "policy0", "tools"
 GROUP_SIZE = 4
@@ -150,7 +155,7 @@ def write_example(draft: SnapshotDraft, count: int = 200, seed: int = 0) -> tupl
     rs = rollouts(count, seed)
     parked = [r for r in rs if not r.finished]
 
-    agent = draft.part(f"gym/agent/{AGENT}", writer=f"agent:{AGENT}")
+    agent = draft.part(gym_part_prefix("agent", AGENT), writer=f"agent:{AGENT}")
     agent.write_records("continuations", "continuations", (
         AgentContinuationRoot(rollout_id=r.rollout_id, attempt_index=r.attempt, capture_key=r.key,
                               last_committed_model_call_id=r.calls[-1], resource_state_revisions={RESOURCE: r.turns})
@@ -161,9 +166,9 @@ def write_example(draft: SnapshotDraft, count: int = 200, seed: int = 0) -> tupl
                          state={"messages": r.turns * 2}, restart_only=["sandbox"] if r.turns == 4 else [])
         for r in rs))
 
-    model = draft.part(f"gym/model/{MODEL}", writer=f"model:{MODEL}")
+    model = draft.part(gym_part_prefix("model", MODEL), writer=f"model:{MODEL}")
     index: list[TokenIndexEntry] = []
-    tokens_path = f"gym/model/{MODEL}/tokens.arrow"
+    tokens_path = f"{gym_part_prefix('model', MODEL)}/tokens.arrow"
     with model.rows("tokens.arrow", "token_capture_rows") as w:
         for b, (batch, placed) in enumerate(token_batches(rs, seed)):
             w.write(batch)
@@ -176,7 +181,7 @@ def write_example(draft: SnapshotDraft, count: int = 200, seed: int = 0) -> tupl
         for r in rs for t, c in enumerate(r.calls)))
     model.write_records("token_index", "token_index", index)
 
-    res = draft.part(f"gym/resource/{RESOURCE}", writer=f"resource:{RESOURCE}")
+    res = draft.part(gym_part_prefix("resource", RESOURCE), writer=f"resource:{RESOURCE}")
     res.write_records("sessions", "session_state", (
         SessionStateRecord(session_id=f"s-{r.key}", resource=RESOURCE, state_revision=r.turns, rollout_id=r.rollout_id,
                            state={"files": {"notes.txt": f"turn {r.turns}"}})
@@ -200,8 +205,8 @@ def write_example(draft: SnapshotDraft, count: int = 200, seed: int = 0) -> tupl
 
     receipts = {p.prefix: p.close() for p in (agent, model, res)}
     gym = GymCommit(checkpoint_id=f"ckpt-{draft.sequence}", participants=[
-        ParticipantCommit(component=c["component"], name=c["name"], part_prefix=f"gym/{c['component']}/{c['name']}",
-                          part_manifest_checksum=receipts[f"gym/{c['component']}/{c['name']}"].part_manifest_checksum,
+        ParticipantCommit(component=c["component"], name=c["name"], part_prefix=gym_part_prefix(c["component"], c["name"]),
+                          part_manifest_checksum=receipts[gym_part_prefix(c["component"], c["name"])].part_manifest_checksum,
                           payload={"rollouts": len(parked)})
         for c in CONTRACTS])
     return gym, [tq.close(), ctl.close()]

@@ -31,6 +31,15 @@ _COMMIT_RE = re.compile(r"^([0-9]{20})\.json$")
 SNAPSHOT_ID_RE = re.compile(r"^snap-([0-9]{10,20})-[0-9a-f]{8}$")
 
 
+GYM_PREFIX = "gym"
+
+
+def gym_part_prefix(component: str, name: str) -> str:
+    """The part prefix of a Gym server, ``gym/<component>/<name>`` (SPEC §3, CONTROL.md): where it
+    writes in a draft, what its commit and restore calls name, its entry in the manifest's Gym commit."""
+    return f"{GYM_PREFIX}/{component}/{name}"
+
+
 def commit_key(sequence: int) -> str:
     return f"{COMMITS}/{_MAX_SEQ - sequence:020d}.json"
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 
@@ -24,10 +26,11 @@ from schemas.identity import check_relative_path
 from schemas.manifest import CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
 from schemas.version import FORMAT_VERSION, check_readable, features_of_kinds
 from snapformat import jsonl, layout
-from snapformat.checksum import checksum_bytes
+from snapformat.checksum import check, checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
+from snapformat.kinds import RECORD_TYPES, storage_of
 from snapformat.reader import MAX_JSON_PART_BYTES
-from snapformat.store import Store
+from snapformat.store import Store, open_store
 
 log = logging.getLogger("snapformat.publish")
 
@@ -63,6 +66,37 @@ def load_part(store: Store, snapshot_id: str, receipt: PartReceipt) -> PartManif
         if not f.path.startswith(receipt.prefix + "/"):
             raise InvalidPathError(f"{where}: file {f.path!r} lies outside the part's prefix {receipt.prefix!r}")
     return part
+
+
+def read_part_records(draft_url: str, receipt: PartReceipt, kind: str) -> Iterator[Any]:
+    """The decoded records of ``kind`` in another participant's closed part of an unpublished draft.
+
+    For a participant that needs what another one committed to the same draft before it (a Gym
+    model server reads the continuation indexes of the agents' parts, CONTROL.md §6). The part is
+    found through ``receipt`` only: its part manifest must have the receipt's checksum and lie
+    under its prefix (as :func:`publish` checks it), and each file of ``kind`` it lists must exist
+    with its listed size and checksum, else :class:`CorruptSnapshotError`. A record that breaks its
+    type is an :class:`InvalidRecordError` naming the file and line. ``kind`` is a JSON-lines kind
+    (``continuations``, ``agent_state``, ...); nothing is read outside the part.
+    """
+    if storage_of(kind) != "jsonl" or kind not in RECORD_TYPES:
+        raise ValueError(f"{kind!r} is not a kind of JSON-lines records")
+    store_url, snapshot_id = layout.split_snapshot_url(draft_url)
+    store = open_store(store_url)
+    part = load_part(store, snapshot_id, receipt)
+    for f in part.files:
+        if f.kind != kind:
+            continue
+        key = layout.file_key(snapshot_id, f.path)
+        where = store.display(key)
+        try:
+            data = store.read_bytes(key)
+        except FileNotFoundError:
+            raise CorruptSnapshotError(f"{where}: listed by {receipt.writer!r} but missing") from None
+        if len(data) != f.size:
+            raise CorruptSnapshotError(f"{where}: size is {len(data)} bytes, the part manifest says {f.size}")
+        check(where, checksum_bytes(data, f.checksum.partition(":")[0]), f.checksum)
+        yield from jsonl.iter_records(data, RECORD_TYPES[kind], where, f.compression, f.content_size)
 
 
 def _part_manifest_entry(store: Store, snapshot_id: str, part: PartManifest, receipt_checksum: str) -> FileEntry:

@@ -100,3 +100,18 @@ def check_topology(snap: Snapshot, fingerprint: str) -> None:
         raise TopologyMismatchError(
             f"{snap.url}: taken by topology {saved or '(none recorded)'}, the running topology is {fingerprint}"
         )
+
+
+def stores_under(url: str) -> list[SnapshotStore]:
+    """The snapshot stores directly inside the folder (or prefix) ``url``, by name.
+
+    ``make demo`` fills ``demo-store/`` with one store per run (``run-<time>/``); a folder like that
+    is not a store itself, and a user listing it wants its stores, not an error.
+    """
+    parent = open_store(url)
+    found = []
+    for name in parent.list_names(""):
+        child = f"{url.rstrip('/')}/{name}"
+        if parent.exists(f"{name}/{layout.MARKER_KEY}"):
+            found.append(SnapshotStore(child))
+    return found

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from coordinator.data_plane import DATAPLANE, InMemoryDataPlane, Ragged
+from coordinator.dataplane import DATAPLANE, InMemoryDataPlane, Ragged
 from schemas.gym_records import SessionStateRecord
 from snapformat import SnapshotStore, example
 from snapformat.publish import Published

@@ -1,4 +1,5 @@
-"""Fill the generated blocks of ``spec/SPEC.md`` from the code, so the structs stay the one source.
+"""Fill the generated blocks of ``spec/SPEC.md`` and ``spec/CONTROL.md`` from the code, so the
+structs stay the one source.
 
 A generated block sits between two HTML comments and is replaced whole::
 
@@ -6,17 +7,22 @@ A generated block sits between two HTML comments and is replaced whole::
     ...
     <!-- END GENERATED record:FileEntry -->
 
-Block names: ``record:<Struct>`` (field table from ``msgspec.inspect`` plus a JSON example built
-from the struct, so it always decodes), ``message:<Struct>`` (the same for the checkpoint control
-protocol's messages, ``schemas/control.py``), ``columns:<row kind>`` (from the Arrow schemas in
-``schemas/rows.py``), ``kinds`` (every ``FileKind``), ``constants`` and ``vectors`` (values
-computed by the code), and ``control:<what>`` (the control protocol's routes, phases, error codes,
-constants and topology vector). Only the "meaning" column is written here by hand; a struct field,
-a column, a phase, an error code or a route without a meaning fails the run, so none of them can
-reach the spec undocumented (routes are also checked against the ones ``gymkit`` registers).
+Block names in SPEC.md: ``record:<Struct>`` (field table from ``msgspec.inspect`` plus a JSON
+example built from the struct, so it always decodes), ``columns:<row kind>`` (from the Arrow
+schemas and ``COLUMN_DESCRIPTIONS`` of ``schemas/rows.py``), ``kinds`` (every ``FileKind``),
+``constants`` and ``vectors`` (values computed by the code). Block names in CONTROL.md (the
+checkpoint control protocol): ``message:<Struct>`` (the same as ``record:`` for the structs of
+``schemas/control.py``) and ``control:<what>`` (routes, phases, error codes, constants and topology
+vector).
 
-    python spec/render_spec_schemas.py          # rewrite spec/SPEC.md in place
-    python spec/render_spec_schemas.py --check  # exit 1 if SPEC.md is out of date
+Every field's meaning is its ``msgspec.Meta(description=...)`` in ``schemas/`` (so the exported JSON
+Schemas carry it too), every column's its entry in ``COLUMN_DESCRIPTIONS``; only the meanings of
+phases, error codes, routes and file kinds are written here. A field, a column, a phase, an error
+code or a route without a meaning fails the run, so none of them can reach the spec undocumented
+(routes are also checked against the ones ``gymkit`` registers).
+
+    python spec/render_spec_schemas.py          # rewrite spec/SPEC.md and spec/CONTROL.md in place
+    python spec/render_spec_schemas.py --check  # exit 1 if either is out of date
 
 ``tests/spec/test_spec_in_sync.py`` runs the check.
 """
@@ -26,284 +32,66 @@ from __future__ import annotations
 import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder comes first on sys.path, and its ``schemas/`` (the exported JSON
-# Schemas, with a ``control/`` folder) would shadow the ``schemas`` package: put the repo root first.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import msgspec
+import msgspec.inspect as mi
+import pyarrow as pa
 
-import msgspec  # noqa: E402
-import msgspec.inspect as mi  # noqa: E402
-import pyarrow as pa  # noqa: E402
-
-from schemas import control, identity, version  # noqa: E402
+from schemas import control, identity, version
 from schemas.control import (
-    AcknowledgeRequest, Capabilities, CommitRequest, CommitResponse, Concurrency, ControlError, ControlRequest,
-    DiscardRequest, PhaseResponse, RestoreRequest, RestoreResponse, RolloutRef,
+    AcknowledgeRequest,
+    Capabilities,
+    CommitRequest,
+    CommitResponse,
+    Concurrency,
+    ControlError,
+    ControlRequest,
+    DiscardRequest,
+    PhaseResponse,
+    RestoreRequest,
+    RestoreResponse,
+    RolloutRef,
 )
 from schemas.controller import AckOwed, LoaderPlace, PromptGroup, ReplayIndexEntry, RolloutAttempt
 from schemas.gym_records import (
-    AgentContinuationRoot, AgentStateRecord, ModelLedgerEntry, SessionStateRecord, TokenIndexEntry,
+    AgentContinuationRoot,
+    AgentStateRecord,
+    ModelLedgerEntry,
+    SessionStateRecord,
+    TokenIndexEntry,
 )
-from schemas.manifest import (
-    CommitRecord, FileEntry, FileKind, GymCommit, LatestHint, Manifest, ParentRef, PartManifest,
-    ParticipantCommit, PartReceipt, StoreMarker,
-)
-from schemas.rows import ROW_SCHEMAS
 from schemas.jsonschema import CONTROL_MESSAGES
+from schemas.manifest import (
+    CommitRecord,
+    FileEntry,
+    FileKind,
+    GymCommit,
+    LatestHint,
+    Manifest,
+    ParentRef,
+    ParticipantCommit,
+    PartManifest,
+    PartReceipt,
+    StoreMarker,
+)
+from schemas.rows import COLUMN_DESCRIPTIONS, ROW_SCHEMAS
 from schemas.topology import canonical_json, topology_fingerprint
 from snapformat import jsonl, layout, reader, retention
 from snapformat.checksum import checksum_bytes
 from snapformat.kinds import RECORD_TYPES, storage_of
 
-SPEC = Path(__file__).resolve().parent / "SPEC.md"
+SPEC_DIR = Path(__file__).resolve().parent
 _BLOCK_RE = re.compile(
     r"(<!-- BEGIN GENERATED (?P<name>[A-Za-z0-9_:]+) -->\n)(?P<body>.*?)(<!-- END GENERATED (?P=name) -->)",
     re.DOTALL,
 )
 
 # --------------------------------------------------------------------------------------------
-# Meanings (the only hand-written part of the generated tables)
+# Meanings of what is not a struct field or a row column
 # --------------------------------------------------------------------------------------------
-
-_SV = "Version of this record's schema; 1 in format 1.0. Readers refuse a value above the one they understand."
-
-MEANINGS: dict[str, dict[str, str]] = {
-    "StoreMarker": {
-        "format": "Always `snapformat-store`: says that this folder or prefix is a snapshot store.",
-        "format_version": "Format version of the store's layout (`<major>.<minor>`).",
-    },
-    "CommitRecord": {
-        "format_version": "Format version the publisher wrote (`<major>.<minor>`).",
-        "sequence": "The snapshot's sequence number; MUST equal the sequence encoded in this file's name.",
-        "snapshot_id": "Folder of the snapshot under `snapshots/`; the manifest read from there MUST carry the same id.",
-        "manifest_size": "Exact size in bytes of `snapshots/<snapshot_id>/manifest.json`.",
-        "manifest_checksum": "Checksum of the bytes of `manifest.json`.",
-        "committed_at": "Unix seconds at which the publisher sealed the manifest (equal to the manifest's `committed_at`).",
-    },
-    "LatestHint": {
-        "sequence": "A recently published sequence (normally the newest). Advisory only.",
-        "snapshot_id": "The snapshot id of that sequence (informative).",
-    },
-    "Manifest": {
-        "format_version": "Format version the publisher wrote. Readers refuse another major version.",
-        "required_features": "Features a reader MUST implement to read this snapshot correctly (see Features): `dataplane_rows` when it holds a file of that kind, else empty (always empty in 1.0).",
-        "snapshot_id": "This snapshot's id (its folder name).",
-        "sequence": "This snapshot's sequence number (>= 1).",
-        "created_at": "Unix seconds at which the draft was begun.",
-        "committed_at": "Unix seconds at which the publisher sealed the manifest to commit it.",
-        "files": "Every file of the snapshot, part manifests included. A file not listed here is not part of the snapshot.",
-        "gym_commit": "Gym's commit result for this snapshot, or null when no Gym took part.",
-        "topology_fingerprint": "Fingerprint of the participants that took the snapshot, or null when none was recorded.",
-        "parent": "The newest committed snapshot when this draft was begun, or null for the first snapshot of a store. Informative: the parent may since have been deleted (or not copied along).",
-        "timings_s": "Informative durations in seconds (e.g. of the pause, of each phase). Readers MUST NOT depend on them.",
-        "producer": "Informative name and version of the software that published the snapshot.",
-    },
-    "FileEntry": {
-        "path": "Location relative to the snapshot folder: `/`-separated, every segment a safe name (see Identifiers and paths).",
-        "kind": "What the file holds (see Parts). Readers ignore kinds they do not know, except that verification still checks their bytes.",
-        "size": "Exact size in bytes of the file as stored.",
-        "checksum": "Checksum over the bytes as stored (after any compression).",
-        "records": "Rows (row parts), lines (JSON-lines parts) or 1 (JSON parts).",
-        "compression": "Whole-file compression: `none`, or `zstd` (one zstd frame over a JSON-lines file). MUST be `none` for row and JSON parts.",
-        "content_size": "Uncompressed size in bytes; REQUIRED (non-null) when `compression` is `zstd`, null otherwise.",
-        "batches": "Number of Arrow record batches in a row part; null for other parts.",
-        "writer": "Label of the participant that wrote the file (by default its part prefix). Informative.",
-    },
-    "ParentRef": {
-        "snapshot_id": "The parent snapshot's id.",
-        "sequence": "The parent snapshot's sequence number.",
-    },
-    "GymCommit": {
-        "checkpoint_id": "The checkpoint id Gym's control calls carried for this snapshot.",
-        "participants": "Each Gym participant's commit, in commit order (agents, then models, then resources).",
-    },
-    "ParticipantCommit": {
-        "component": "`agent`, `model` or `resource`.",
-        "name": "The participant's name (a safe name).",
-        "part_prefix": "Prefix of the part it wrote, or null for a stateless participant that wrote nothing.",
-        "part_manifest_checksum": "Checksum of its `part-manifest.json`, as it reported in its commit result; null when `part_prefix` is null.",
-        "payload": "The participant's own commit payload (opaque JSON object, kept verbatim).",
-    },
-    "PartManifest": {
-        "format_version": "Format version the participant wrote.",
-        "snapshot_id": "The draft's snapshot id; MUST equal the folder the part lies in.",
-        "prefix": "The part's prefix, relative to the snapshot folder.",
-        "writer": "Label of the participant (e.g. `agent:agent0`); copied into each file entry's `writer`.",
-        "files": "Every file of the part except `part-manifest.json` itself; each `path` MUST lie under `prefix`.",
-        "written_at": "Unix seconds at which the part was closed.",
-    },
-    "PartReceipt": {
-        "prefix": "The part's prefix.",
-        "writer": "The participant's label, as in its part manifest.",
-        "part_manifest_checksum": "Checksum of the bytes of `<prefix>/part-manifest.json`; the publisher refuses a part manifest with another checksum.",
-    },
-    "AgentContinuationRoot": {
-        "schema_version": _SV,
-        "rollout_id": "The rollout (Gym's rollout id rule).",
-        "attempt_index": "The run of the rollout that was parked (0 for the first run).",
-        "capture_key": "Gym's capture key of that run: `rollout_id`, or `<rollout_id>-a<N>` with 1 <= N <= `attempt_index`.",
-        "last_committed_model_call_id": "The model call that ended the rollout's last finished turn (non-empty); on restore the rollout continues after it. A rollout parked before its first call has no line.",
-        "resource_state_revisions": "For each resource server the rollout depends on (by its participant name), the state revision it saw; `{}` when it depends on none; null (the default) in an index written before dependency tracking.",
-    },
-    "AgentStateRecord": {
-        "schema_version": _SV,
-        "rollout_id": "The rollout.",
-        "attempt_index": "The run this state belongs to.",
-        "capture_key": "Gym's capture key of that run (same rule as in continuations).",
-        "status": "`parked` (stopped at a turn end, to be continued) or `finished_unacked` (finished, its result not yet acknowledged).",
-        "turn_index": "Number of turns finished, i.e. the 0-based index of the turn to run next.",
-        "state": "The agent's own state of the rollout (conversation so far, counters...): opaque JSON.",
-        "restart_only": "Restart-only resources the rollout used; such a rollout is discarded on restore and starts over.",
-    },
-    "ModelLedgerEntry": {
-        "schema_version": _SV,
-        "rollout_id": "The rollout that made the call.",
-        "attempt_index": "The run that made the call.",
-        "capture_key": "Gym's capture key of that run.",
-        "model_call_id": "The call's id, unique within its capture key.",
-        "parent_call_id": "The previous committed call of the same capture key; null for the first.",
-        "turn_index": "0-based turn in which the call was made.",
-        "model": "Name of the model that answered (empty when unknown).",
-        "created_at": "Unix seconds of the call (0.0 when unknown).",
-    },
-    "TokenIndexEntry": {
-        "schema_version": _SV,
-        "capture_key": "Capture key of the call whose tokens are indexed.",
-        "model_call_id": "The model call.",
-        "file": "Path, relative to the snapshot folder, of a `token_capture_rows` file of this snapshot.",
-        "batch": "0-based record batch of that Arrow file.",
-        "row_start": "First row, 0-based within the batch.",
-        "row_count": "Number of rows (>= 1); every one of them MUST carry this `capture_key` and `model_call_id`.",
-    },
-    "SessionStateRecord": {
-        "schema_version": _SV,
-        "session_id": "The resource session's id, unique within its resource server.",
-        "resource": "Name of the resource server that owns the session, as the participant names itself (its capability `name`); the keys of `resource_state_revisions` name it the same way.",
-        "state_revision": "State revision the exported state is at.",
-        "rollout_id": "The rollout that owns the session, or null for a session not tied to one rollout.",
-        "state": "The session's exported state: opaque JSON.",
-        "tool": "The kind of session within the resource server (a tool name), or null. Records written before this field existed held the tool in `resource`; a reader MAY take `resource` as the tool when `tool` is null.",
-    },
-    "LoaderPlace": {
-        "schema_version": _SV,
-        "epoch": "Current epoch of the prompt loader (0-based).",
-        "consumed": "Prompts of this epoch whose groups were dispatched; the next prompt handed out is `order[consumed]` of this epoch's order.",
-        "seed": "Seed from which the loader derives each epoch's order.",
-        "dataset_size": "Number of prompts in the dataset when known; a restore with another size is a different dataset.",
-        "extra": "Loader-specific values (opaque JSON object).",
-    },
-    "ReplayIndexEntry": {
-        "schema_version": _SV,
-        "key": "The sample's key in the data plane (TQ); the `key` column of a training row.",
-        "partition_id": "The data-plane partition holding the sample.",
-        "rollout_id": "The rollout the sample came from.",
-        "attempt_index": "The run of that rollout that produced it.",
-        "group_id": "The prompt group of that rollout.",
-        "status": "`ready` (not yet used), `claimed_for_training` (taken by a training step not yet applied) or `applied_uncheckpointed` (applied by a step whose weights are not yet checkpointed).",
-    },
-    "PromptGroup": {
-        "record": "Record type tag: `prompt_group`.",
-        "schema_version": _SV,
-        "group_id": "The prompt group (one prompt, several rollouts).",
-        "prompt_index": "Index of the prompt in the loader's order.",
-        "state": "The group's state in the recovery ledger.",
-        "rollout_ids": "The group's rollouts.",
-    },
-    "RolloutAttempt": {
-        "record": "Record type tag: `rollout_attempt`.",
-        "schema_version": _SV,
-        "rollout_id": "The rollout.",
-        "group_id": "Its prompt group.",
-        "attempt_index": "The run number.",
-        "state": "The run's state.",
-    },
-    "AckOwed": {
-        "record": "Record type tag: `ack_owed`.",
-        "schema_version": _SV,
-        "rollout_id": "The rollout whose finished result is stored.",
-        "attempt_index": "The run that produced it.",
-        "result_key": "The result's key in the data plane. Its acknowledgement to Gym is not confirmed yet, so the controller sends it again after a restore, in a call of its own; an agent that no longer holds the result answers 404 `unknown_rollout`, which means it was acknowledged already (§20.4).",
-    },
-}
-
-_CID = "The checkpoint this call belongs to (fencing, §20.5): one id per save, a fresh one per restore."
-_DEADLINE = ("Absolute deadline, unix seconds (> 0). A call received at or after it is refused with 409 "
-             "`deadline_passed`; work that outlasts it is cut short (§20.5).")
-
-MEANINGS.update({
-    "Capabilities": {
-        "schema_version": "Version of the control protocol the server speaks; 1 here. A coordinator refuses a server with a version it does not know.",
-        "component": "What kind of Gym server this is: `model` (policy model server), `agent` or `resource`.",
-        "name": "The server's name, a safe name unique among the servers of its component; its part prefix is `gym/<component>/<name>`.",
-        "checkpoint_mode": "`export_restore`: the server writes a part at commit and loads it at restore. `stateless`: it only pauses and resumes; its commit answers `part: null` and its restore loads nothing.",
-        "admission": "Live: whether the server admits new work now (`accepting` in `idle`, `draining` in `preparing`, `paused` in every other phase). Not part of the contract.",
-        "phase": "Live: the server's phase (§20.3). Not part of the contract.",
-        "concurrency": "How the server runs its work (see `Concurrency`); part of the contract.",
-        "restart_only_resources": "Resource kinds whose state the server cannot export (e.g. a live sandbox process): their sessions are not saved, and a rollout that used one starts over after a restore. Empty for models and agents.",
-    },
-    "Concurrency": {
-        "max_in_flight": "Most work calls (model calls, tool calls, turns) the server runs at once; 0 means unbounded. Informative for the coordinator's deadlines.",
-        "multi_process": "`single`: one process holds all of the server's state. `shared_state`: several processes serve one state behind one address; the server still answers every control call as one server, pausing all of them, and writes one part.",
-    },
-    "ControlRequest": {
-        "checkpoint_id": _CID,
-        "deadline": _DEADLINE + " Not checked by resume and abort.",
-    },
-    "CommitRequest": {
-        "checkpoint_id": _CID,
-        "deadline": _DEADLINE,
-        "draft_url": "Location of the unpublished snapshot (the draft), `<store>/snapshots/<snapshot_id>` (a local path or `s3://bucket/prefix/snapshots/<snapshot_id>`). The server writes its part into it and nowhere else.",
-        "part_prefix": "The prefix to write under; MUST be exactly `gym/<component>/<name>` of this server, or the call is refused (400 `bad_request`).",
-        "continuations": "Model commits only: the part receipts of every agent's commit of this checkpoint, so the model writes the ledger of exactly the turns the agents' continuation indexes name. Empty for agents and resources, which ignore it.",
-    },
-    "CommitResponse": {
-        "checkpoint_id": "The checkpoint committed.",
-        "phase": "`committed_paused`.",
-        "part": "The receipt of the part the server wrote and closed (its prefix, writer label `<component>:<name>` and part manifest checksum); null for a stateless server.",
-        "payload": "The server's commit payload (a small JSON object); the coordinator copies it verbatim into the manifest's `ParticipantCommit.payload`.",
-    },
-    "RestoreRequest": {
-        "checkpoint_id": "The restore's own id (fresh, never used before); resume and discard after the restore carry it.",
-        "deadline": _DEADLINE,
-        "snapshot_url": "Location of a published snapshot, `<store>/snapshots/<snapshot_id>`; it is opened through its commit record (§15.3, §15.4).",
-        "saved_checkpoint_id": "The checkpoint id the snapshot was saved under (its manifest's `gym_commit.checkpoint_id`); a snapshot whose Gym commit names another id is refused (400 `bad_request`).",
-        "part_prefix": "The prefix to read; MUST be exactly `gym/<component>/<name>` of this server.",
-        "topology_fingerprint": "The running topology's fingerprint (§20.2), computed by the coordinator; the server refuses a snapshot with another fingerprint (409 `topology_mismatch`).",
-    },
-    "RestoreResponse": {
-        "checkpoint_id": "The restore's id.",
-        "phase": "`restored_paused`.",
-        "payload": "What the server loaded (a JSON object). The agent lists the restored continuations and the finished results not yet acknowledged (§20.6); informative for the others.",
-    },
-    "RolloutRef": {
-        "rollout_id": "The rollout (Gym's rollout id rule).",
-        "attempt_index": "The run of the rollout meant: for acknowledge the run that finished, for discard the new run n+1 the restore set up.",
-    },
-    "AcknowledgeRequest": {
-        "results": "Finished results the controller has stored durably, which the agent may now forget (at most 100,000 per call).",
-    },
-    "DiscardRequest": {
-        "checkpoint_id": "The restore's id.",
-        "deadline": _DEADLINE,
-        "rollouts": "Restored continuations to throw away (at most 100,000): each of these rollouts starts over from its first turn.",
-    },
-    "PhaseResponse": {
-        "checkpoint_id": "The checkpoint in progress, or null in `idle`.",
-        "phase": "The server's phase after the call.",
-        "admission": "`accepting`, `draining` or `paused` (as in `Capabilities`).",
-        "in_flight": "Work still running (model calls, turns inside an agent, tool calls); 0 once prepared.",
-        "detail": "Server-specific information (informative).",
-    },
-    "ControlError": {
-        "error": "The machine-readable reason (§20.7).",
-        "reason": "A sentence for people; it names what was wrong (both fingerprints for a topology mismatch, the checkpoint in progress for a conflict). It never contains the token.",
-        "phase": "The server's phase after the refusal; null when the call was refused before its body was decoded (401, 413, malformed body).",
-        "checkpoint_id": "The checkpoint id the refused call named, else the one in progress; null when neither is known.",
-    },
-})
 
 #: What each phase means, and the admission it implies (checked against ``schemas.control.Phase``).
 PHASE_MEANINGS: dict[str, tuple[str, str]] = {
@@ -348,57 +136,6 @@ ROUTES: list[tuple[str, str, str, str, str, str]] = [
     ("POST", "/admission/resume", "ControlRequest", "PhaseResponse", "as resume", "The model server's name for resume."),
     ("POST", "/admission/abort", "ControlRequest", "PhaseResponse", "as abort", "The model server's name for abort."),
 ]
-
-COLUMN_MEANINGS: dict[str, dict[str, str]] = {
-    "training_rows": {
-        "key": "The sample's key in the data plane (TQ).",
-        "partition_id": "The data-plane partition holding the sample.",
-        "rollout_id": "The rollout the sample came from (Gym's rollout id rule).",
-        "attempt_index": "The run of that rollout that produced it (>= 0).",
-        "input_ids": "The whole token sequence of the sample (prompt and generation).",
-        "input_lengths": "Number of valid tokens in `input_ids`.",
-        "generation_logprobs": "Per-token log probabilities under the policy that generated the sample.",
-        "prev_logprobs": "Per-token log probabilities under the previous policy.",
-        "reference_policy_logprobs": "Per-token log probabilities under the reference policy.",
-        "advantages": "Per-token advantages.",
-        "token_mask": "Per token: 1 where the loss applies, 0 elsewhere.",
-        "sample_mask": "Weight of the whole sample (0 drops it from the loss).",
-    },
-    "token_capture_rows": {
-        "schema_version": "Gym's `TokenEntry.schema_version` of the record (1 for nemo-gym 0.7.0); a reader refuses one above the version it understands, naming both.",
-        "rollout_id": "The rollout that made the model call: the capture key without its `-a<N>` suffix.",
-        "attempt_index": "The run that made it (>= 0): N of the capture key's `-a<N>` suffix, 0 without one.",
-        "capture_key": "Gym's `TokenEntry.rollout_id` (which holds the capture key); MUST equal the capture key of (`rollout_id`, `attempt_index`).",
-        "model_call_id": "The model call; one call may span several consecutive rows of one batch.",
-        "model": "Name of the model that answered; null reads as Gym's default `\"\"`.",
-        "prompt_token_ids": "Prompt token ids (only those after the parent call's when `prompt_is_delta` is true).",
-        "generation_token_ids": "Generated token ids.",
-        "generation_log_probs": "Log probability of each generated token (as Gym holds it, a 64-bit float); same length as `generation_token_ids`.",
-        "routed_experts": "Gym's `routed_experts` (any JSON value) as JSON text; null is None.",
-        "output_items": "Gym's `output_items` (a list of objects) as JSON text; null reads as `[]`.",
-        "token_item_index": "Index of the output item that carried these tokens, or null.",
-        "response_id": "Id of the model response returned to the client, or null.",
-        "created_at": "Unix seconds of the call; null reads as Gym's default 0.0.",
-        "parent_call_id": "The parent call, present exactly when `parent_resolution` is `resolved` (or, with no resolution recorded, as the writer gave it).",
-        "cum_len": "Length of the whole cumulative token sequence up to and including this call, or null when not stamped.",
-        "digest": "Gym's digest of that cumulative sequence (§6), or null when not stamped.",
-        "parent_resolution": "`root`, `resolved` or `unresolved`: the request-time parent decision; null when not recorded.",
-        "continuation_fingerprint": "Gym's fingerprint of the model-authored output, for request-time parent resolution; null reads as `\"\"`.",
-        "continuation_context_len": "Number of request items the call saw; null reads as 0.",
-        "continuation_context_digest": "Gym's digest of those request items; null reads as `\"\"`.",
-        "parent_resolution_reason": "The resolver's reason for its decision; null reads as `\"\"`.",
-        "fingerprint_version": "The fingerprint algorithm's version, or null.",
-        "prompt_is_delta": "True when `prompt_token_ids` holds only the tokens after the parent's cumulative sequence (needs a resolved parent); null reads as false.",
-        "prefix_requested": "Gym's prefix-supply request flag; null reads as false.",
-        "prefix_supplied": "True only when generation-time prompt ids prove the prefix was applied; null reads as false.",
-        "extra_fields": "The TokenEntry's fields unknown to this schema (Gym keeps them), as one JSON object; null when there are none.",
-    },
-    "dataplane_rows": {
-        "key": "The row's key in the data plane.",
-        "partition_id": "The data-plane partition holding the row.",
-        "row_tags": "The row's tag as JSON text (null reads as `{}`); carries the `dataplane.layout` metadata.",
-    },
-}
 
 KIND_NOTES: dict[str, tuple[str, str, str]] = {
     # kind: (written by, conventional file name, section)
@@ -577,7 +314,7 @@ def render_type(t: Any) -> str:
         elif t.min_length is not None:
             bits.append(f">= {t.min_length} chars")
         if t.pattern is not None:
-            bits.append(f"matching `{t.pattern}`")
+            bits.append(f"matching `{spec_pattern(t.pattern)}`")
         return "string" + (f" ({', '.join(bits)})" if bits else "")
     if isinstance(t, mi.IntType):
         bits = [f"{op} {v}" for op, v in ((">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le)) if v is not None]
@@ -615,20 +352,27 @@ def _default(field: mi.Field) -> str:
     return ""
 
 
+def _unwrap(t: Any) -> Any:
+    """A field's type without the ``Metadata`` wrapper its description puts around it."""
+    return t.type if isinstance(t, mi.Metadata) else t
+
+
+def description(t: Any) -> str | None:
+    """The ``msgspec.Meta(description=...)`` of a field's type, if any."""
+    return (t.extra_json_schema or {}).get("description") if isinstance(t, mi.Metadata) else None
+
+
 def record_table(name: str) -> str:
     info = mi.type_info(_struct(name))
-    meanings = MEANINGS.get(name, {})
     rows = []
     if info.tag_field is not None:
-        rows.append((info.tag_field, f'`"{info.tag}"`', "yes", meanings.get(info.tag_field)))
+        rows.append((info.tag_field, f'`"{info.tag}"`', "yes", f"Record type tag: `{info.tag}`."))
     for f in info.fields:
         required = "yes" if f.required else f"no (default `{_default(f)}`)"
-        rows.append((f.encode_name, render_type(f.type), required, meanings.get(f.encode_name)))
-    documented = {r[0] for r in rows}
+        rows.append((f.encode_name, render_type(f.type), required, description(f.type)))
     missing = [r[0] for r in rows if not r[3]]
-    extra = sorted(set(meanings) - documented)
-    if missing or extra:
-        raise SystemExit(f"render_spec_schemas: {name}: fields without a meaning {missing}, meanings without a field {extra}")
+    if missing:
+        raise SystemExit(f"render_spec_schemas: {name}: fields without a description (msgspec.Meta) {missing}")
     out = ["| field | type | required | meaning |", "|---|---|---|---|"]
     out += [f"| `{f}` | {_cell(t)} | {_cell(r)} | {_cell(m)} |" for f, t, r, m in rows]
     return "\n".join(out)
@@ -655,7 +399,7 @@ def _arrow_type(t: pa.DataType) -> str:
 
 def columns_block(kind: str) -> str:
     schema = ROW_SCHEMAS[kind]
-    meanings = COLUMN_MEANINGS[kind]
+    meanings = COLUMN_DESCRIPTIONS[kind]
     missing = [f.name for f in schema if f.name not in meanings]
     extra = sorted(set(meanings) - set(schema.names))
     if missing or extra:
@@ -693,7 +437,7 @@ def kinds_block() -> str:
 
 def _max_files() -> int:
     field = next(f for f in mi.type_info(Manifest).fields if f.name == "files")
-    return field.type.max_length
+    return _unwrap(field.type).max_length
 
 
 def constants_block() -> str:
@@ -743,8 +487,6 @@ def vectors_block() -> str:
     ]
     out = ["| input | value |", "|---|---|"]
     out += [f"| {a} | {_cell(b)} |" for a, b in rows]
-    from schemas.topology import canonical_json
-
     canonical = canonical_json(sorted(CONTRACTS, key=lambda c: (c["component"], c["name"])))
     out += ["", "The example contracts, in canonical form (these exact bytes are hashed):", "",
             "```json", canonical.decode(), "```"]
@@ -845,9 +587,15 @@ def control_errors_block() -> str:
     return "\n".join(out)
 
 
+def spec_pattern(pattern: str) -> str:
+    """A code pattern as the spec writes it: the code ends some with ``$(?![\\s\\S])`` (Python's
+    ``$`` also matches before a final newline), which the spec's whole-string convention says."""
+    return pattern.removesuffix(r"(?![\s\S])")
+
+
 def _checkpoint_id_pattern() -> str:
     t = next(f.type for f in mi.type_info(ControlRequest).fields if f.name == "checkpoint_id")
-    return t.pattern
+    return spec_pattern(_unwrap(t).pattern)
 
 
 def control_constants_block() -> str:
@@ -877,15 +625,9 @@ def control_topology_block() -> str:
     return "\n".join(out)
 
 
-def blocks() -> dict[str, str]:
-    check_messages_documented()
+def spec_blocks() -> dict[str, str]:
+    """The generated blocks of SPEC.md (the format)."""
     out = {f"record:{name}": record_block(name) for name in STRUCTS}
-    out.update({f"message:{name}": record_block(name) for name in MESSAGES})
-    out["control:routes"] = control_routes_block()
-    out["control:phases"] = control_phases_block()
-    out["control:errors"] = control_errors_block()
-    out["control:constants"] = control_constants_block()
-    out["control:topology"] = control_topology_block()
     out["columns:training_rows"] = columns_block("training_rows")
     out["columns:token_capture_rows"] = columns_block("token_capture_rows")
     out["columns:dataplane_rows"] = columns_block("dataplane_rows")
@@ -895,37 +637,57 @@ def blocks() -> dict[str, str]:
     return out
 
 
-def render(text: str) -> str:
-    """``text`` with every generated block refreshed; unknown or missing blocks are errors."""
-    generated = blocks()
+def control_blocks() -> dict[str, str]:
+    """The generated blocks of CONTROL.md (the checkpoint control protocol)."""
+    check_messages_documented()
+    out = {f"message:{name}": record_block(name) for name in MESSAGES}
+    out["control:routes"] = control_routes_block()
+    out["control:phases"] = control_phases_block()
+    out["control:errors"] = control_errors_block()
+    out["control:constants"] = control_constants_block()
+    out["control:topology"] = control_topology_block()
+    return out
+
+
+#: Each document under ``spec/`` with generated blocks, and what fills them.
+DOCUMENTS: dict[str, Callable[[], dict[str, str]]] = {"SPEC.md": spec_blocks, "CONTROL.md": control_blocks}
+
+
+def render(text: str, document: str = "SPEC.md") -> str:
+    """``text`` (the content of ``document``) with every generated block refreshed; unknown or
+    missing blocks are errors."""
+    generated = DOCUMENTS[document]()
     seen: set[str] = set()
 
     def fill(m: re.Match[str]) -> str:
         name = m.group("name")
         if name not in generated:
-            raise SystemExit(f"render_spec_schemas: SPEC.md has an unknown generated block {name!r}")
+            raise SystemExit(f"render_spec_schemas: {document} has an unknown generated block {name!r}")
         seen.add(name)
         return f"{m.group(1)}{generated[name]}\n{m.group(4)}"
 
     result = _BLOCK_RE.sub(fill, text)
     missing = sorted(set(generated) - seen)
     if missing:
-        raise SystemExit(f"render_spec_schemas: SPEC.md lacks the generated blocks {missing}")
+        raise SystemExit(f"render_spec_schemas: {document} lacks the generated blocks {missing}")
     return result
 
 
 def main(argv: list[str]) -> int:
-    text = SPEC.read_text()
-    new = render(text)
-    if "--check" in argv:
-        if new != text:
-            print(f"{SPEC} is out of date: run python spec/render_spec_schemas.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        SPEC.write_text(new)
-        print(f"updated {SPEC}")
-    return 0
+    stale = []
+    for document in DOCUMENTS:
+        path = SPEC_DIR / document
+        text = path.read_text()
+        new = render(text, document)
+        if new == text:
+            continue
+        if "--check" in argv:
+            print(f"{path} is out of date: run python spec/render_spec_schemas.py", file=sys.stderr)
+            stale.append(path)
+        else:
+            path.write_text(new)
+            print(f"updated {path}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

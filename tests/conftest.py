@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from refgym.forkserver import ForkServer
-from refgym.procs import REPO_ROOT
-from snapformat.testing import s3servers
+from devtools import s3servers
+from devtools.gym_forkserver import ForkServer
+from devtools.gym_procs import REPO_ROOT
 
 _bucket_ids = itertools.count()
 

@@ -4,15 +4,11 @@ positive, the reports are written and the scratch folder is cleaned up. No timin
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # ``benchmarks`` is a top-level folder of the project, not installed
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import format_bench, run  # noqa: E402
-from snapformat.store import local as local_store  # noqa: E402
+from benchmarks import format_bench, run
+from snapformat.store import local as local_store
 
 EXPECTED = [
     (format_bench.SAVE, format_bench.LIB_SAVE),

@@ -4,14 +4,10 @@ were written, and the report has every row. No timing assertions."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # ``benchmarks`` is a top-level folder of the project, not installed
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import gym_bench, run  # noqa: E402
+from benchmarks import gym_bench, run
 
 COUNTS = (5, 10)
 

@@ -7,16 +7,12 @@ the scratch folder is cleaned up. No timing assertions."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # ``benchmarks`` is a top-level folder of the project, not installed
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import controller_bench, discovery_bench, memory_bench, run, tq_bench  # noqa: E402
+from benchmarks import controller_bench, discovery_bench, memory_bench, run, tq_bench
 
 NEW = ("tq", "pause", "restore", "discovery", "memory")
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -5,14 +5,9 @@ timing assertions."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # ``benchmarks`` is a top-level folder of the project, not installed
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import s3_bench  # noqa: E402
+from benchmarks import s3_bench
 
 
 def test_s3_bench_tiny_run() -> None:

@@ -6,16 +6,12 @@ assertions."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # ``benchmarks`` is a top-level folder of the project, not installed
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import run, token_store_bench  # noqa: E402
+from benchmarks import run, token_store_bench
 
 
 def test_section_is_registered_last_and_configured() -> None:

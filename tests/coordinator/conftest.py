@@ -12,7 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator import ray_runtime  # sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before anything imports ray
+from coordinator import ray_runtime
+
+# This conftest is an entry point that starts Ray: Ray on loopback, single-user, set before any test module here
+# (or anything they import) imports ray or transfer_queue.
+ray_runtime.configure()
 
 # Ray's memory monitor kills worker processes of its own instance when the *machine* is short of memory,
 # whoever uses it: on a shared machine it once killed this session's TransferQueue actors (and so every
@@ -32,7 +36,7 @@ def tq_runtime() -> Iterator[ray_runtime.RayRuntime]:
 @pytest.fixture
 def fleet(tmp_path, forkserver):
     """Reference Gym servers for one test (forked; SIGKILLed at teardown)."""
-    from refgym.testing import new_fleet
+    from devtools.gym_fleet import new_fleet
 
     f = new_fleet(tmp_path / "fleet", forkserver)
     yield f
@@ -44,8 +48,8 @@ def reference_rows(tmp_path_factory, forkserver, tq_runtime):
     """The final data-plane content of an uninterrupted run of the harness workload (no snapshots)."""
     import msgspec
 
-    from coordinator.accounting import content
-    from refgym.testing import new_fleet
+    from devtools.accounting import content
+    from devtools.gym_fleet import new_fleet
     from harness import CONFIG, InRayJob
 
     f = new_fleet(tmp_path_factory.mktemp("reference"), forkserver)

@@ -14,7 +14,7 @@ from coordinator.config import ControllerConfig
 from coordinator.controller import RunOutcome
 from coordinator.faults import CrashPlan
 from coordinator.workload import Workload
-from refgym.testing import Fleet, Gym
+from devtools.gym_fleet import Fleet, Gym
 
 WORKLOAD = Workload(prompts=4, group_size=3, min_turns=2, max_turns=4, seed=77, sandbox_every=3)
 CONFIG = ControllerConfig(snapshot_attempt_interval_s=0.3, max_in_flight=6, poll_interval_s=0.02,

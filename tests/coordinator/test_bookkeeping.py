@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.bookkeeping import Bookkeeping, ControllerRecords
-from coordinator.cut import take_cut, write_cut_parts
-from coordinator.data_plane import InMemoryDataPlane
+from coordinator.checkpoint.cut import take_cut, write_cut_parts
+from coordinator.dataplane import InMemoryDataPlane
 from coordinator.samples import TOKEN_PARTITION, TRAIN_PARTITION, RolloutResult, TurnResult, put_results
 from coordinator.workload import Loader, Workload
 from schemas.errors import InvalidRecordError

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import ray
 
-from coordinator.accounting import content, trained_once
+from devtools.accounting import content, trained_once
 from coordinator.errors import TooManyFailuresError
 from harness import CONFIG, WORKLOAD, InRayJob
 from schemas.errors import TopologyMismatchError
-from refgym.testing import wait_until
+from devtools.gym_fleet import wait_until
 from snapformat import SnapshotStore, verify_snapshot
 
 pytestmark = pytest.mark.usefixtures("tq_runtime")
@@ -89,7 +89,7 @@ def test_a_commit_error_aborts_that_save_and_the_run_goes_on(fleet, tmp_path: Pa
     assert later.published, later.error
     assert failed.checkpoint_id not in {store.open(c.sequence).manifest.gym_commit.checkpoint_id for c in store.list()}
     for p in job.gym.clients:  # every server was resumed by the abort
-        assert p.status()["phase"] == "idle"
+        assert p.status().phase == "idle"
     check_store(store)
     check_finished(job, reference_rows)
     job.kill()
@@ -169,7 +169,7 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_one_before(fleet, tmp_path:
 def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_env, new_bucket, tmp_path: Path,
                                                                    reference_rows) -> None:
     """Store on SeaweedFS: Gym servers write their parts straight to S3 through the draft's URL."""
-    from refgym.testing import new_fleet
+    from devtools.gym_fleet import new_fleet
 
     aws_env(seaweed)
     store = SnapshotStore(f"s3://{new_bucket(seaweed)}/run")
@@ -200,10 +200,10 @@ def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucke
                                                                reference_rows) -> None:
     """SeaweedFS behind a proxy that accepts connections and then never answers: every process of the
     job (controller and Gym servers) reaches it through the proxy, with short timeouts."""
-    from refgym.testing import new_fleet
+    from devtools.gym_fleet import new_fleet
     from snapformat.store import s3
-    from snapformat.testing import s3servers
-    from snapformat.testing.stall_proxy import StallProxy
+    from devtools import s3servers
+    from devtools.stall_proxy import StallProxy
 
     with StallProxy(seaweed.endpoint) as proxy:
         env = {**seaweed.env_vars(), "AWS_ENDPOINT_URL": proxy.endpoint,
@@ -236,7 +236,7 @@ def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucke
             published = {direct.open(c.sequence).manifest.gym_commit.checkpoint_id for c in direct.list()}
             assert failed.checkpoint_id not in published
             for p in job.gym.clients:
-                assert p.status()["phase"] == "idle"
+                assert p.status().phase == "idle"
             check_store(direct)
             check_finished(job, reference_rows)
             job.kill()

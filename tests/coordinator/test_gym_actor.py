@@ -1,5 +1,6 @@
 """The NemoGym actor's calls against real reference servers over HTTP (run here without Ray: the
-class is plain asyncio; Ray only hosts it)."""
+class is plain asyncio; Ray only hosts it). Its control calls are gymkit's client, whose transport
+(deadlines, the retry of idempotent calls on a dropped connection) tests/gymkit covers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from coordinator.errors import GymCallError
 from coordinator.gym_actor import NemoGym
-from refgym.testing import wait_until
+from devtools.gym_fleet import wait_until
 from snapformat import SnapshotStore
 
 
@@ -32,7 +33,7 @@ def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path) -> None:
         assert sorted(started["accepted"]) == ["r0", "r1", "r2", "r3"]
         prepare = await nemo.prepare_checkpoint("c1", time.time() + 30)
         assert list(prepare) == ["model", "agent", "resource"]
-        assert {c.status()["phase"] for c in gym.clients} == {"prepared"}
+        assert {c.status().phase for c in gym.clients} == {"prepared"}
         draft = SnapshotStore(str(tmp_path / "store")).begin()
         commit = await nemo.commit_checkpoint("c1", time.time() + 30, draft.url)
         assert list(commit.seconds) == ["agent", "model", "resource"]
@@ -40,7 +41,7 @@ def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path) -> None:
         assert {r.prefix for r in commit.receipts} == {"gym/agent/agent0", "gym/model/policy0", "gym/resource/tools"}
         resume = await nemo.resume_checkpoint("c1")
         assert list(resume) == ["resource", "model", "agent"]
-        assert {c.status()["phase"] for c in gym.clients} == {"idle"}
+        assert {c.status().phase for c in gym.clients} == {"idle"}
         await nemo.close()
 
     asyncio.run(scenario())
@@ -97,7 +98,7 @@ def test_a_dead_server_fails_fast_and_is_named(fleet) -> None:
         assert err.value.error == "unreachable"
         failures = await nemo.abort_checkpoint("c2")
         assert len(failures) == 1 and "resource tools" in failures[0]
-        assert {c.status()["phase"] for c in (gym.model, gym.agent)} == {"idle"}  # the others resumed
+        assert {c.status().phase for c in (gym.model, gym.agent)} == {"idle"}  # the others resumed
         await nemo.close()
 
     asyncio.run(scenario())
@@ -119,54 +120,5 @@ def test_rollouts_go_to_a_stable_agent(fleet) -> None:
             await c.close()
         async with httpx.AsyncClient() as h:
             assert (await h.get(f"{extra.url}/healthz")).status_code == 200
-
-    asyncio.run(scenario())
-
-
-class _DropsFirstRequests:
-    """A loopback HTTP server that closes the connection under the first ``drops`` requests (as a
-    server closing an idle keep-alive connection the moment a request arrives on it) and answers
-    202 after that."""
-
-    def __init__(self, drops: int) -> None:
-        self.drops = drops
-        self.requests = 0
-        self.server: asyncio.base_events.Server | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        await reader.readexactly(length)
-        self.requests += 1
-        if self.requests > self.drops:
-            writer.write(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
-            await writer.drain()
-        writer.close()
-
-
-@pytest.mark.parametrize("idempotent", [True, False])
-def test_a_dropped_connection_is_retried_once_for_idempotent_calls_only(idempotent: bool) -> None:
-    async def scenario() -> None:
-        async with _DropsFirstRequests(drops=1) as url, _DropsFirstRequests(drops=2) as twice:
-            nemo = NemoGym([url], "t")  # no discovery: only _send is used
-            if idempotent:
-                resp = await nemo._send("POST", url, "/rollouts", {"a": 1}, 5.0, "agent a", idempotent=True)
-                assert resp.status_code == 202
-                with pytest.raises(GymCallError, match=r"POST /rollouts of agent b: unreachable"):
-                    await nemo._send("POST", twice, "/rollouts", {"a": 1}, 5.0, "agent b", idempotent=True)
-            else:
-                with pytest.raises(GymCallError, match=r"unreachable") as err:
-                    await nemo._send("POST", url, "/checkpoint/prepare", {"a": 1}, 5.0, "agent a")
-                assert err.value.error == "unreachable"
-        await nemo.close()
 
     asyncio.run(scenario())

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import ray
 
-from coordinator.accounting import content, trained_once
+from devtools.accounting import content, trained_once
 from coordinator.errors import GymCallError
 from coordinator.faults import RESTORE_STEPS, SAVE_STEPS
 from harness import CONFIG, WORKLOAD, InRayJob
@@ -89,7 +89,7 @@ def test_gym_servers_killed_during_a_save(step: str, published: bool, fleet, tmp
 @pytest.fixture(scope="module")
 def crashed_store(tmp_path_factory: pytest.TempPathFactory, forkserver, tq_runtime) -> Path:
     """A store left by a job killed mid-run after two snapshots (each restore case restores a copy)."""
-    from refgym.testing import new_fleet
+    from devtools.gym_fleet import new_fleet
 
     path = tmp_path_factory.mktemp("crashed") / "store"
     f = new_fleet(path.parent / "fleet", forkserver)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from coordinator.soak import run_soak
+from devtools.soak import run_soak
 from harness import CONFIG, WORKLOAD
 from snapformat import SnapshotStore
 

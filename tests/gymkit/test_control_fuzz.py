@@ -4,6 +4,7 @@ never a 500, never the token, and the server stays usable.
 Bodies come from hypothesis: well-formed requests with one field replaced by an arbitrary JSON value,
 arbitrary JSON documents, and arbitrary bytes; plus hostile values where they matter (draft URLs and
 part prefixes that climb out of their folder, huge numbers, NULs). ``FUZZ_EXAMPLES`` raises the count.
+They are sent with gymkit's own control client, raw (``ControlClient.request``: any bytes, any token).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_control_plane import TOKEN, FakeAgent
 
-from gymkit import ControlPlane
+from gymkit import ControlClient, ControlPlane
 from schemas.control import CONTROL_PREFIX, ControlError
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
@@ -55,7 +56,7 @@ def client():
     app = FastAPI()
     app.include_router(ControlPlane(FakeAgent(), TOKEN).router())
     with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
+        yield ControlClient(str(c.base_url), TOKEN, http=c)
 
 
 def _check(resp) -> None:
@@ -65,18 +66,13 @@ def _check(resp) -> None:
         msgspec.json.decode(resp.content, type=ControlError)  # always the typed error body
 
 
-def _send(client: TestClient, route: str, content: bytes, auth: bool = True):
-    headers = {"content-type": "application/json"}
-    if auth:
-        headers["authorization"] = f"Bearer {TOKEN}"
-    return client.post(CONTROL_PREFIX + route, content=content, headers=headers)
+def _send(client: ControlClient, route: str, content: bytes, auth: bool = True):
+    return client.request("POST", CONTROL_PREFIX + route, content=content, token=None if auth else "")
 
 
-def _back_to_idle(client: TestClient) -> None:
+def _back_to_idle(client: ControlClient) -> None:
     """Whatever the example did, end any checkpoint it began, so the next example starts from idle."""
-    status = client.get(CONTROL_PREFIX + "/status", headers={"authorization": f"Bearer {TOKEN}"})
-    assert status.status_code == 200
-    cid = status.json().get("checkpoint_id")
+    cid = client.status().checkpoint_id
     if cid:
         _check(_send(client, "/abort", msgspec.json.encode({"checkpoint_id": cid, "deadline": time.time() + 30})))
 

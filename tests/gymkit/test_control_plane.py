@@ -17,10 +17,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gymkit import ControlPlane, Participant
+from gymkit import CommitContext, ControlPlane, Participant
 from schemas.control import CONTROL_PREFIX, Capabilities, RolloutRef
 from schemas.gym_records import AgentContinuationRoot
-from schemas.manifest import GymCommit
+from schemas.manifest import GymCommit, PartReceipt
 from snapformat import SnapshotStore
 from snapformat.draft import PartWriter
 from snapformat.reader import Snapshot
@@ -39,15 +39,22 @@ class FakeAgent(Participant):
         self.block.set()
         self.resumed = 0
         self.restored: list[str] = []
+        self.contexts: list[CommitContext] = []
+        self.admissions: list[str] = []
 
     def capabilities(self) -> Capabilities:
         return Capabilities(component="agent", name="agent0", checkpoint_mode="export_restore")
 
+    def admission_changed(self, admission: Any) -> None:
+        super().admission_changed(admission)
+        self.admissions.append(admission)
+
     async def prepare(self, deadline: float) -> None:
         await self.block.wait()
 
-    async def commit(self, part: PartWriter | None, context: dict[str, Any]) -> dict[str, Any]:
+    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
         assert part is not None
+        self.contexts.append(context)
         part.write_records("continuations", "continuations", [
             AgentContinuationRoot(rollout_id=r, attempt_index=0, capture_key=r,
                                   last_committed_model_call_id=f"call-{n}", resource_state_revisions=None)
@@ -113,6 +120,35 @@ def test_full_cycle_commit_publish_restore(client: TestClient, agent: FakeAgent,
     assert r.status_code == 200, r.text
     assert r.json()["phase"] == "restored_paused" and agent.restored == ["r1", "r2"]
     assert post(client, "/resume", ctl("r1")).json()["phase"] == "idle"
+
+
+def test_commit_hands_the_participant_a_typed_context(client: TestClient, agent: FakeAgent, tmp_path) -> None:
+    draft = SnapshotStore(str(tmp_path / "s")).begin()
+    other = draft.part("gym/agent/agent9")
+    receipt = other.close()
+    body = {**ctl("c1"), "draft_url": draft.url, "part_prefix": "gym/agent/agent0",
+            "continuations": [msgspec.to_builtins(receipt)]}
+    post(client, "/prepare", ctl("c1"))
+    assert post(client, "/commit", body).status_code == 200
+    assert agent.contexts == [CommitContext(checkpoint_id="c1", deadline=body["deadline"], draft_url=draft.url,
+                                            part_prefix="gym/agent/agent0", continuations=(receipt,))]
+    assert isinstance(agent.contexts[0].continuations[0], PartReceipt)
+    with pytest.raises(AttributeError):
+        agent.contexts[0].draft_url = "elsewhere"  # type: ignore[misc]  # frozen
+
+
+def test_the_kit_says_when_the_participant_may_admit_work(client: TestClient, agent: FakeAgent) -> None:
+    assert agent.admits_work() and agent.admissions == ["accepting"]  # told once when mounted
+    agent.block.clear()
+    assert post(client, "/prepare", ctl("c1", within=0.3)).status_code == 409  # still draining after it
+    assert (agent.admission, agent.admits_work()) == ("draining", False)
+    agent.block.set()
+    post(client, "/abort", ctl("c1"))
+    assert agent.admits_work()
+    post(client, "/prepare", ctl("c2"))
+    assert (agent.admission, agent.admits_work()) == ("paused", False)
+    post(client, "/resume", ctl("c2"))
+    assert agent.admissions == ["accepting", "draining", "accepting", "draining", "paused", "accepting"]
 
 
 def test_repeated_calls_are_idempotent(client: TestClient, agent: FakeAgent, tmp_path) -> None:

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from refgym.client import ok
-from refgym.forkserver import ForkServer
-from refgym.testing import Fleet, Gym, Spec, new_fleet
+from devtools.gym_fleet import Fleet, Gym, Spec, new_fleet
+from devtools.gym_forkserver import ForkServer
 
 
 @pytest.fixture
@@ -48,7 +47,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory,
             gym = gym or f.gym()
             gym.start(todo)
             results = gym.wait_results([s.rollout_id for s in todo])
-            ok(gym.agent.acknowledge([(rid, 0) for rid in results]))  # forget them: ids stay reusable
+            gym.agent.acknowledge([(rid, 0) for rid in results])  # forget them: ids stay reusable
             for s in todo:
                 assert results[s.rollout_id]["outcome"] == "finished", results[s.rollout_id]
                 done[s.rollout_id] = (s, results[s.rollout_id])

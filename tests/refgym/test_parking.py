@@ -15,7 +15,6 @@ import json
 import httpx
 import msgspec
 
-from gymkit import ControlPlane
 from refgym.agent_server import MAX_OPEN_CALLS, AgentParticipant
 from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
 
@@ -55,7 +54,7 @@ def test_parking_sends_no_model_call_for_rollouts_still_waiting_for_a_slot() -> 
     async def scenario() -> tuple[int, int, int]:
         stand_ins = StandIns()
         agent = AgentParticipant("agent0", "http://model.test", "http://resources.test")
-        agent.plane = ControlPlane(agent, token="t")  # idle: rollouts may start
+        assert agent.admits_work()  # no kit drives it: rollouts may start
         agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_ins))
         for i in range(ROLLOUTS):
             agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))

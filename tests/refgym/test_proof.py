@@ -2,7 +2,8 @@
 the trajectories of an uninterrupted run, each rollout continuing after its last committed model
 call (or starting over if it used the restart-only sandbox).
 
-The test drives the protocol itself, call by call, in the documented order (no coordinator).
+The test drives the protocol itself, call by call, in the documented order (no coordinator, no
+``gymkit.GymFleet``): each server's typed control client, one call at a time.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 
 from nemo_gym.token_id_capture.records import TokenEntry, compute_digest, cumulative_tokens
 
+from devtools.gym_fleet import Fleet, Spec, wait_until
+from gymkit import gym_commit
 from gymkit.token_store import TokenStore
-from refgym.client import ok
 from schemas.identity import capture_key
 from snapformat import SnapshotStore, open_snapshot, verify_snapshot
 from snapformat.token_rows import iter_entries
-from refgym.testing import Fleet, Spec, commit_answer, gym_commit, wait_until
 
 TURNS = 4
 # Finished before the snapshot: two are acknowledged (gone), two are not (must survive it).
@@ -50,29 +51,29 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
     gym = fleet.gym(model_slow_ms=200)
     gym.start(FINISHED)
     gym.wait_results([s.rollout_id for s in FINISHED])
-    ok(gym.agent.acknowledge([("done0", 0), ("done1", 0)]))
+    gym.agent.acknowledge([("done0", 0), ("done1", 0)])
     gym.start(IN_FLIGHT)
     wait_until(lambda: all(r["turns_done"] >= 1 for r in gym.agent.get("/rollouts") if r["rollout_id"].startswith("p")),
                "every in-flight rollout to finish its first turn")
 
     # -- snapshot, driven call by call ------------------------------------------------------------
     ck, deadline = "ckpt-1", time.time() + 30
-    assert ok(gym.model.prepare(ck, deadline))["phase"] == "prepared"  # pause: refuse new calls, drain
-    assert ok(gym.agent.prepare(ck, deadline))["phase"] == "prepared"  # park every rollout at a turn end
-    assert ok(gym.resource.prepare(ck, deadline))["phase"] == "prepared"  # freeze sessions
+    assert gym.model.prepare(ck, deadline).phase == "prepared"  # pause: refuse new calls, drain
+    assert gym.agent.prepare(ck, deadline).phase == "prepared"  # park every rollout at a turn end
+    assert gym.resource.prepare(ck, deadline).phase == "prepared"  # freeze sessions
     for c in gym.clients:
-        assert c.status()["in_flight"] == 0
+        assert c.status().in_flight == 0
     store = SnapshotStore(str(tmp_path / "store"))
     draft = store.begin()
-    agent = commit_answer(gym.agent.commit(ck, deadline, draft.url))
-    model = commit_answer(gym.model.commit(ck, deadline, draft.url, continuations=[agent.part]))
-    resource = commit_answer(gym.resource.commit(ck, deadline, draft.url))
-    commits = {"agent": agent, "model": model, "resource": resource}
+    agent = gym.agent.commit(ck, deadline, draft.url)
+    model = gym.model.commit(ck, deadline, draft.url, continuations=[agent.part])
+    resource = gym.resource.commit(ck, deadline, draft.url)
+    commits = [(gym.agent.caps, agent), (gym.model.caps, model), (gym.resource.caps, resource)]  # commit order
     fingerprint = gym.fingerprint()
     published = draft.publish(receipts=[agent.part, model.part, resource.part],
-                              gym_commit=gym_commit(gym, ck, commits), topology_fingerprint=fingerprint)
+                              gym_commit=gym_commit(ck, commits), topology_fingerprint=fingerprint)
     for c in (gym.resource, gym.model, gym.agent):  # resume order: what agents call first opens first
-        assert ok(c.resume(ck))["admission"] == "accepting"
+        assert c.resume(ck).admission == "accepting"
 
     snap = open_snapshot(published.url)
     assert verify_snapshot(snap).ok  # every byte, and every token-index entry points at its call's row
@@ -124,9 +125,9 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
     fresh = fleet.gym()
     assert fresh.fingerprint() == fingerprint
     rid_, deadline = "restore-1", time.time() + 30
-    answers = {c.caps.component: ok(c.restore(rid_, deadline, published.url, ck, fingerprint)) for c in fresh.clients}
-    assert {a["phase"] for a in answers.values()} == {"restored_paused"}
-    restored = {c["rollout_id"]: c for c in answers["agent"]["payload"]["continuations"]}
+    answers = {c.caps.component: c.restore(rid_, deadline, published.url, ck, fingerprint) for c in fresh.clients}
+    assert {a.phase for a in answers.values()} == {"restored_paused"}
+    restored = {c["rollout_id"]: c for c in answers["agent"].payload["continuations"]}
     assert set(restored) == set(continuations)
     for rid, c in continuations.items():
         assert restored[rid]["attempt_index"] == c.attempt_index + 1
@@ -141,9 +142,9 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
             assert notes[rid]["revision"] == c.resource_state_revisions["tools"]
     start_over = sorted(rid for rid, c in restored.items() if c["restart_only"])
     assert start_over, "no rollout used the restart-only sandbox before the snapshot"
-    assert ok(fresh.agent.discard(rid_, deadline, [(rid, restored[rid]["attempt_index"]) for rid in start_over]))
+    assert fresh.agent.discard(rid_, deadline, [(rid, restored[rid]["attempt_index"]) for rid in start_over])
     for c in (fresh.resource, fresh.model, fresh.agent):
-        assert ok(c.resume(rid_))["admission"] == "accepting"
+        assert c.resume(rid_).admission == "accepting"
 
     results = fresh.wait_results([s.rollout_id for s in IN_FLIGHT] + ["done2", "done3"])
     assert "done0" not in fresh.results() and "done1" not in fresh.results()

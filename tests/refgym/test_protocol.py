@@ -14,11 +14,19 @@ from typing import Any
 
 import pytest
 
-from refgym.client import ok
-from refgym.testing import (
-    Fleet, Gym, Spec, TakenSnapshot, commit_answer, listening_addresses, restore_all, take_snapshot, wait_until,
+from devtools.gym_fleet import (
+    Fleet,
+    Gym,
+    Spec,
+    TakenSnapshot,
+    listening_addresses,
+    ok,
+    refused,
+    restore_all,
+    take_snapshot,
+    wait_until,
 )
-from schemas.control import MAX_BODY_BYTES
+from schemas.control import CONTROL_PREFIX, MAX_BODY_BYTES
 from schemas.gym_records import AgentContinuationRoot, AgentStateRecord
 from schemas.topology import topology_fingerprint
 from snapformat import SnapshotStore
@@ -35,6 +43,7 @@ class UncheckedContinuation(AgentContinuationRoot):
 
 
 def error(resp: Any) -> tuple[int, str]:
+    """Status and error code of a raw answer (a plain route's, or a control route's sent raw)."""
     return resp.status_code, resp.json()["error"]
 
 
@@ -59,10 +68,10 @@ def published(gym: Gym, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ta
 def test_control_routes_need_the_bearer_token(gym: Gym) -> None:
     for c in gym.clients:
         for token in ("", "wrong-token"):
-            assert error(c.control("/capabilities", method="GET", token=token)) == (401, "unauthorized")
-            refused = c.control("/prepare", {"checkpoint_id": "ck-tok", "deadline": time.time() + 30}, token=token)
-            assert error(refused) == (401, "unauthorized")
-        assert c.status()["phase"] == "idle"
+            assert error(c.request("GET", f"{CONTROL_PREFIX}/capabilities", token=token)) == (401, "unauthorized")
+            body = {"checkpoint_id": "ck-tok", "deadline": time.time() + 30}
+            assert error(c.request("POST", f"{CONTROL_PREFIX}/prepare", body, token=token)) == (401, "unauthorized")
+        assert c.status().phase == "idle"
         assert c.http.get("/healthz").status_code == 200  # plain routes carry no token
     for server in gym.trio.all:
         assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1 only
@@ -83,15 +92,15 @@ def test_control_routes_need_the_bearer_token(gym: Gym) -> None:
 ])
 def test_malformed_control_calls_are_400_and_change_nothing(gym: Gym, body: bytes) -> None:
     for c in gym.clients:
-        assert error(c.control("/prepare", content=body)) == (400, "bad_request")
-        assert (c.status()["phase"], c.status()["checkpoint_id"]) == ("idle", None)
+        assert error(c.request("POST", f"{CONTROL_PREFIX}/prepare", content=body)) == (400, "bad_request")
+        assert (c.status().phase, c.status().checkpoint_id) == ("idle", None)
 
 
 def test_oversized_bodies_are_413(gym: Gym) -> None:
     huge = b'{"checkpoint_id": "ck-x", "deadline": 4102444800, "pad": "' + b"x" * MAX_BODY_BYTES + b'"}'
     for c in gym.clients:
-        assert error(c.control("/prepare", content=huge)) == (413, "too_large")
-        assert c.status()["phase"] == "idle"
+        assert error(c.request("POST", f"{CONTROL_PREFIX}/prepare", content=huge)) == (413, "too_large")
+        assert c.status().phase == "idle"
     assert error(gym.model.post("/v1/responses", content=huge)) == (413, "too_large")
     assert error(gym.agent.post("/rollouts", content=huge)) == (413, "too_large")
 
@@ -120,7 +129,7 @@ def test_plain_routes_refuse_bad_input_clearly(gym: Gym, published: TakenSnapsho
 def test_paused_servers_refuse_new_work_with_503_until_resumed(gym: Gym) -> None:
     ck = "ck-503"
     for c in gym.clients:
-        ok(c.prepare(ck, time.time() + 30))
+        c.prepare(ck, time.time() + 30)
     call = {"rollout_id": "direct0", "attempt_index": 0, "capture_key": "direct0", "model_call_id": "call-0",
             "turn_index": 0, "prompt_token_ids": [1, 2, 3]}
     tool = {"session_id": "direct0", "expected_revision": 0, "args": {"value": 1}}
@@ -131,7 +140,7 @@ def test_paused_servers_refuse_new_work_with_503_until_resumed(gym: Gym) -> None
         assert error(resp) == (503, "paused") and resp.headers["retry-after"] == "1"
     assert not any(e["rollout_id"] == "direct0" for e in gym.ledger())
     for c in (gym.resource, gym.model, gym.agent):
-        ok(c.abort(ck))
+        c.abort(ck)
     assert ok(gym.model.post("/v1/responses", call))["model_call_id"] == "call-0"
     assert ok(gym.model.post("/v1/responses", call))["replayed"] is True  # a retried call gets the recorded answer
     assert error(gym.model.post("/v1/responses", {**call, "prompt_token_ids": [4]})) == (409, "conflict")
@@ -140,55 +149,55 @@ def test_paused_servers_refuse_new_work_with_503_until_resumed(gym: Gym) -> None
 def test_out_of_order_calls_are_409(gym: Gym) -> None:
     deadline, nowhere = time.time() + 30, "/nowhere/snapshots/snap-0000000001-00000000"
     for c in gym.clients:
-        assert error(c.commit("ck-ooo", deadline, nowhere)) == (409, "wrong_phase")
-        assert error(c.resume("ck-ooo")) == (409, "wrong_phase")
-    assert error(gym.agent.discard("ck-ooo", deadline, [("q0", 1)])) == (409, "wrong_phase")
-    ok(gym.agent.prepare("ck-ooo", deadline))
-    assert error(gym.agent.restore("ck-ooo", deadline, nowhere, "a", "b")) == (409, "wrong_phase")
-    assert error(gym.agent.restore("ck-new", deadline, nowhere, "a", "b")) == (409, "conflicting_checkpoint")
-    assert error(gym.agent.prepare("ck-past", time.time() - 1)) == (409, "conflicting_checkpoint")
-    assert ok(gym.agent.abort("ck-ooo"))["phase"] == "idle"
-    assert error(gym.agent.prepare("ck-past", time.time() - 1)) == (409, "deadline_passed")
-    assert gym.agent.status()["phase"] == "idle"
+        assert refused(c.commit, "ck-ooo", deadline, nowhere).code == (409, "wrong_phase")
+        assert refused(c.resume, "ck-ooo").code == (409, "wrong_phase")
+    assert refused(gym.agent.discard, "ck-ooo", deadline, [("q0", 1)]).code == (409, "wrong_phase")
+    gym.agent.prepare("ck-ooo", deadline)
+    assert refused(gym.agent.restore, "ck-ooo", deadline, nowhere, "a", "b").code == (409, "wrong_phase")
+    assert refused(gym.agent.restore, "ck-new", deadline, nowhere, "a", "b").code == (409, "conflicting_checkpoint")
+    assert refused(gym.agent.prepare, "ck-past", time.time() - 1).code == (409, "conflicting_checkpoint")
+    assert gym.agent.abort("ck-ooo").phase == "idle"
+    assert refused(gym.agent.prepare, "ck-past", time.time() - 1).code == (409, "deadline_passed")
+    assert gym.agent.status().phase == "idle"
 
 
 def test_repeated_calls_get_the_same_answer_and_old_or_other_ids_are_fenced(gym: Gym, tmp_path: Path) -> None:
     ck, deadline = "ck-rep", time.time() + 30
     for c in gym.clients:
-        first = ok(c.prepare(ck, deadline))
-        assert ok(c.prepare(ck, deadline)) == first
-        assert error(c.prepare("ck-other", deadline)) == (409, "conflicting_checkpoint")
+        first = c.prepare(ck, deadline)
+        assert c.prepare(ck, deadline) == first
+        assert refused(c.prepare, "ck-other", deadline).code == (409, "conflicting_checkpoint")
     draft = SnapshotStore(str(tmp_path / "store")).begin()
     agent = gym.agent.commit(ck, deadline, draft.url)
-    assert gym.agent.commit(ck, deadline, draft.url).content == agent.content
-    receipt = commit_answer(agent).part
+    assert gym.agent.commit(ck, deadline, draft.url) == agent
+    receipt = agent.part
     model = gym.model.commit(ck, deadline, draft.url, [receipt])
-    assert gym.model.commit(ck, deadline, draft.url, [receipt]).content == model.content
+    assert gym.model.commit(ck, deadline, draft.url, [receipt]) == model
     resource = gym.resource.commit(ck, deadline, draft.url)
-    assert gym.resource.commit(ck, deadline, draft.url).content == resource.content
-    assert error(gym.model.commit("ck-other", deadline, draft.url)) == (409, "conflicting_checkpoint")
+    assert gym.resource.commit(ck, deadline, draft.url) == resource
+    assert refused(gym.model.commit, "ck-other", deadline, draft.url).code == (409, "conflicting_checkpoint")
     for c in (gym.resource, gym.model, gym.agent):
-        first = ok(c.resume(ck))
-        assert ok(c.resume(ck)) == first
-        assert error(c.prepare(ck, deadline)) == (409, "stale_checkpoint")
-        assert c.status()["admission"] == "accepting"
+        first = c.resume(ck)
+        assert c.resume(ck) == first
+        assert refused(c.prepare, ck, deadline).code == (409, "stale_checkpoint")
+        assert c.status().admission == "accepting"
 
 
 def test_acknowledge_once_and_unknown_rollouts_change_nothing(gym: Gym, published: TakenSnapshot) -> None:
     before = gym.results()
     assert {"pre0", "pre1"} <= set(before)
     for refs in ([("nope", 0)], [("pre0", 0), ("nope", 0)], [("pre0", 3)]):
-        assert error(gym.agent.acknowledge(refs)) == (404, "unknown_rollout")
+        assert refused(gym.agent.acknowledge, refs).code == (404, "unknown_rollout")
         assert gym.results() == before
-    assert gym.model.acknowledge([("pre0", 0)]).status_code == 404  # not an agent
-    assert ok(gym.agent.acknowledge([("pre0", 0)])) == {"acknowledged": ["pre0"]}
-    assert error(gym.agent.acknowledge([("pre0", 0)])) == (404, "unknown_rollout")  # acknowledged once
+    assert refused(gym.model.acknowledge, [("pre0", 0)]).status == 404  # not an agent
+    assert gym.agent.acknowledge([("pre0", 0)]) == {"acknowledged": ["pre0"]}
+    assert refused(gym.agent.acknowledge, [("pre0", 0)]).code == (404, "unknown_rollout")  # acknowledged once
     assert set(gym.results()) == set(before) - {"pre0"}
 
     gym.agent.start_rollout("hold0", seed=1, turns=30)
-    ok(gym.agent.prepare("ck-ack", time.time() + 30))  # parked, so certainly not finished
-    assert error(gym.agent.acknowledge([("hold0", 0)])) == (404, "unknown_rollout")
-    assert ok(gym.agent.abort("ck-ack"))["admission"] == "accepting"
+    gym.agent.prepare("ck-ack", time.time() + 30)  # parked, so certainly not finished
+    assert refused(gym.agent.acknowledge, [("hold0", 0)]).code == (404, "unknown_rollout")
+    assert gym.agent.abort("ck-ack").admission == "accepting"
     assert gym.agent.get("/rollouts/hold0")["outcome"] == "running"
 
 
@@ -196,7 +205,7 @@ def test_model_commit_refuses_continuations_that_break_the_contract(
         gym: Gym, published: TakenSnapshot, tmp_path: Path) -> None:
     ck, deadline = "ck-bad", time.time() + 30
     for c in gym.clients:
-        ok(c.prepare(ck, deadline))
+        c.prepare(ck, deadline)
     draft = SnapshotStore(str(tmp_path / "store")).begin()
     bad_key = draft.part("gym/agent/fake1")
     bad_key.write_records("continuations", "continuations", [UncheckedContinuation(
@@ -208,17 +217,17 @@ def test_model_commit_refuses_continuations_that_break_the_contract(
         resource_state_revisions=None)])
     ledger = gym.ledger()
 
-    refused = gym.model.commit(ck, deadline, draft.url, [bad_key.close()])
-    assert error(refused) == (400, "invalid_record")
-    assert "'q0-a7'" in refused.json()["reason"]
-    refused = gym.model.commit(ck, deadline, draft.url, [unknown_call.close()])
-    assert error(refused) == (409, "invalid_record")
-    assert "never served" in refused.json()["reason"]
-    assert gym.model.status()["phase"] == "prepared"  # still prepared: the commit can be retried
+    bad = refused(gym.model.commit, ck, deadline, draft.url, [bad_key.close()])
+    assert bad.code == (400, "invalid_record")
+    assert "'q0-a7'" in bad.reason
+    bad = refused(gym.model.commit, ck, deadline, draft.url, [unknown_call.close()])
+    assert bad.code == (409, "invalid_record")
+    assert "never served" in bad.reason
+    assert gym.model.status().phase == "prepared"  # still prepared: the commit can be retried
     assert gym.ledger() == ledger
-    assert ok(gym.model.commit(ck, deadline, draft.url))["payload"] == {"calls": 0, "rollouts": 0}
+    assert gym.model.commit(ck, deadline, draft.url).payload == {"calls": 0, "rollouts": 0}
     for c in (gym.resource, gym.model, gym.agent):  # the coordinator gives up on this one
-        assert ok(c.abort(ck))["phase"] == "idle"
+        assert c.abort(ck).phase == "idle"
 
 
 def test_refused_restores_change_nothing_then_a_good_one_continues_every_rollout(
@@ -233,16 +242,17 @@ def test_refused_restores_change_nothing_then_a_good_one_continues_every_rollout
 
     # Not a published snapshot.
     nowhere = str(tmp_path / "nowhere" / "snapshots" / "snap-0000000001-00000000")
-    assert error(fresh.agent.restore("r-0", deadline, nowhere, saved, fresh.fingerprint())) == (400, "bad_request")
+    not_published = refused(fresh.agent.restore, "r-0", deadline, nowhere, saved, fresh.fingerprint())
+    assert not_published.code == (400, "bad_request")
 
     # The running topology has another resource server than the one that took the snapshot.
     other = fleet.client(fleet.server("resource", "tools2").url)
     running = topology_fingerprint([c.capabilities().contract() for c in (fresh.model, fresh.agent, other)])
     for c in (fresh.model, fresh.agent):
-        refused = c.restore("r-1", deadline, snap_url, saved, running)
-        assert error(refused) == (409, "topology_mismatch")
-        assert running in refused.json()["reason"] and published.fingerprint in refused.json()["reason"]
-        assert c.status()["phase"] == "idle"
+        mismatch = refused(c.restore, "r-1", deadline, snap_url, saved, running)
+        assert mismatch.code == (409, "topology_mismatch")
+        assert running in mismatch.reason and published.fingerprint in mismatch.reason
+        assert c.status().phase == "idle"
     untouched()
 
     # A snapshot whose continuation line breaks Gym's capture-key rule.
@@ -254,30 +264,30 @@ def test_refused_restores_change_nothing_then_a_good_one_continues_every_rollout
     part.write_records("agent_state", "agent_state", [AgentStateRecord(
         rollout_id="q9", attempt_index=0, capture_key="q9", status="parked", turn_index=0, state={})])
     bad_url = bad.publish(topology_fingerprint=fresh.fingerprint()).url
-    refused = fresh.agent.restore("r-2", deadline, bad_url, "ckpt-bad", fresh.fingerprint())
-    assert error(refused) == (400, "invalid_record") and "'q9-a1'" in refused.json()["reason"]
+    invalid = refused(fresh.agent.restore, "r-2", deadline, bad_url, "ckpt-bad", fresh.fingerprint())
+    assert invalid.code == (400, "invalid_record") and "'q9-a1'" in invalid.reason
     untouched()
-    assert fresh.agent.status()["phase"] == "idle"  # a refused load drops what it read: no abort needed
+    assert fresh.agent.status().phase == "idle"  # a refused load drops what it read: no abort needed
     untouched()
 
     # The real restore; repeats are answered the same, other ids are refused.
     answers = restore_all(fresh, published, "r-3")
     again = fresh.agent.restore("r-3", deadline, snap_url, saved, fresh.fingerprint())
-    assert again.json() == answers["agent"]
-    other_id = fresh.agent.restore("r-4", deadline, snap_url, saved, fresh.fingerprint())
-    assert error(other_id) == (409, "conflicting_checkpoint")
-    restored = {c["rollout_id"]: c for c in answers["agent"]["payload"]["continuations"]}
+    assert again == answers["agent"]
+    other_id = refused(fresh.agent.restore, "r-4", deadline, snap_url, saved, fresh.fingerprint())
+    assert other_id.code == (409, "conflicting_checkpoint")
+    restored = {c["rollout_id"]: c for c in answers["agent"].payload["continuations"]}
     assert set(restored) == {s.rollout_id for s in LONG}
     rollouts = fresh.agent.get("/rollouts")
     for refs in ([("nope", 1)], [("q0", 0)], [("pre1", 0)]):  # unknown, the saved attempt (not n+1), finished
-        assert error(fresh.agent.discard("r-3", deadline, refs)) == (404, "unknown_rollout")
+        assert refused(fresh.agent.discard, "r-3", deadline, refs).code == (404, "unknown_rollout")
     assert fresh.agent.get("/rollouts") == rollouts
     start_over = [(rid, c["attempt_index"]) for rid, c in restored.items() if c["restart_only"]]
     assert [rid for rid, _ in start_over] == ["q3"]
-    first = ok(fresh.agent.discard("r-3", deadline, start_over))
-    assert ok(fresh.agent.discard("r-3", deadline, start_over)) == first
+    first = fresh.agent.discard("r-3", deadline, start_over)
+    assert fresh.agent.discard("r-3", deadline, start_over) == first
     for c in (fresh.resource, fresh.model, fresh.agent):
-        ok(c.resume("r-3"))
+        c.resume("r-3")
 
     results = fresh.wait_results([s.rollout_id for s in BEFORE + LONG])
     for rid, res in results.items():

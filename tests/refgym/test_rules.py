@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pyarrow as pa
 
+from devtools.gym_procs import REPO_ROOT
 from refgym import rules
-from refgym.procs import REPO_ROOT
 
 
 def test_model_output_is_a_function_of_seed_and_prompt_only() -> None:

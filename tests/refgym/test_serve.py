@@ -7,9 +7,9 @@ from pathlib import Path
 
 import httpx
 
-from refgym.client import GymClient
-from refgym.procs import launch
-from refgym.testing import listening_addresses
+from devtools.gym_fleet import listening_addresses
+from devtools.gym_procs import launch
+from gymkit import ControlClient
 
 
 def test_serve_binds_loopback_only_and_reads_its_token_from_a_file(tmp_path: Path) -> None:
@@ -19,7 +19,7 @@ def test_serve_binds_loopback_only_and_reads_its_token_from_a_file(tmp_path: Pat
     try:
         server.wait_ready(timeout=60)
         assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, nothing else
-        client = GymClient(server.url, "s3cret")
+        client = ControlClient(server.url, "s3cret")
         assert client.capabilities().name == "tools"
         assert httpx.get(f"{server.url}/ng-control/v1/capabilities").status_code == 401
         client.close()

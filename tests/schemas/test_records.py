@@ -336,3 +336,15 @@ def test_invalid_fields_are_refused_naming_the_field(record_type: Any, obj: dict
     with pytest.raises(InvalidRecordError) as err:
         jsonl.decode_json(json.dumps(obj).encode(), record_type, "some/file.json")
     assert "some/file.json" in str(err.value) and field in str(err.value)
+
+
+@pytest.mark.parametrize("value", [
+    "sha256:" + "a" * 64 + "\n",  # Python's `$` alone would take this: the spec's patterns are whole-string
+    "xxh128:" + "0" * 32 + "\n",
+    " sha256:" + "a" * 64,
+])
+def test_a_checksum_with_anything_around_it_is_refused(value: str) -> None:
+    from schemas.manifest import Checksum
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(msgspec.json.encode(value), type=Checksum)

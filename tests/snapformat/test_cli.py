@@ -55,6 +55,24 @@ def test_ls_lists_newest_first_with_json(store: Path, capsys) -> None:
     assert code == 0 and latest_url(store) in out.splitlines()[0]
 
 
+def test_ls_of_a_folder_of_stores_lists_each_store_and_its_newest(store: Path, tmp_path: Path, capsys) -> None:
+    # What `make demo` leaves: demo-store/run-<time>/ stores, and a folder of them is not a store.
+    runs = tmp_path / "demo-store"
+    runs.mkdir()
+    (runs / "run-1").symlink_to(store, target_is_directory=True)
+    SnapshotStore(str(runs / "run-2")).begin()  # a store whose first save never published
+    (runs / "notes").mkdir()  # neither a store nor a problem
+    code, out, _ = run(capsys, "ls", str(runs), "--json")
+    assert code == 0
+    rows = {Path(r["store"]).name: r for r in json.loads(out)}
+    assert sorted(rows) == ["run-1", "run-2"]
+    assert (rows["run-1"]["snapshots"], rows["run-1"]["newest_sequence"]) == (2, 2)
+    assert rows["run-1"]["newest_url"].endswith(Path(latest_url(store)).name)
+    assert (rows["run-2"]["snapshots"], rows["run-2"]["newest_sequence"]) == (0, None)
+    code, out, _ = run(capsys, "ls", str(runs))
+    assert code == 0 and "holds 2 store(s)" in out and "no published snapshot" in out
+
+
 def test_show_by_url_and_by_store(store: Path, capsys) -> None:
     code, out, _ = run(capsys, "show", latest_url(store), "--json")
     assert code == 0

@@ -37,12 +37,12 @@ from typing import Any
 
 import pytest
 
+from devtools import s3servers
 from schemas.errors import CommitConflictError, StoreError
 from snapformat import SnapshotStore, layout, verify_snapshot
 from snapformat.cli import main
 from snapformat.store import s3
 from snapformat.store.s3 import S3Store
-from snapformat.testing import s3servers
 
 WRITER = Path(__file__).with_name("s3_crash_writer.py")
 PART_SIZE = 5 << 20  # the S3 minimum: the writer's ~8 MB token part goes up in 2 parts

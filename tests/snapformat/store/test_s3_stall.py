@@ -1,6 +1,6 @@
 """An S3 store that stalls (accepts connections, then never answers) in the middle of a save.
 
-A :class:`~snapformat.testing.stall_proxy.StallProxy` on 127.0.0.1 stands in front of the session's
+A :class:`~devtools.stall_proxy.StallProxy` on 127.0.0.1 stands in front of the session's
 SeaweedFS; the store under test reaches SeaweedFS only through it, with short timeouts (connect 1 s,
 read 1 s, 1 retry). Proves that:
 - a stall before ``begin`` (a GET), before ``write_rows`` (a single PUT), once a multipart upload
@@ -30,13 +30,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from devtools import s3servers
+from devtools.stall_proxy import StallProxy
 from schemas.controller import LoaderPlace
 from schemas.errors import StoreError
 from snapformat import SnapshotStore, example, verify_snapshot
 from snapformat.store import s3
 from snapformat.store.s3 import S3Store, S3Timeouts
-from snapformat.testing import s3servers
-from snapformat.testing.stall_proxy import StallProxy
 
 pytestmark = pytest.mark.timeout(180)
 

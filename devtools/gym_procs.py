@@ -1,0 +1,189 @@
+"""Launching reference Gym servers as real processes (for tests and the demo), and killing them.
+
+Each server is its own process running ``refgym.serve`` (uvicorn on 127.0.0.1): either a fresh
+``python -m refgym.serve``, or a fork of a :class:`~devtools.gym_forkserver.ForkServer` that has already
+imported the code (much faster to start; the same server code runs). A server reports the port it
+bound through a port file and is ready once ``GET /healthz`` answers. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from devtools.gym_forkserver import ForkServer
+from gymkit import part_prefix
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ServerFailed(RuntimeError):
+    """A server process exited or did not become ready in time (the message has its log tail)."""
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """``(state, start time)`` of ``pid`` from /proc/<pid>/stat (fields 3 and 22), or None.
+
+    A pid alone may be reused once its process is reaped; (pid, start time) names one process, so
+    a forked server is only ever signalled while it is still the process that was started.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]
+
+
+@dataclass
+class ServerProcess:
+    component: str
+    name: str
+    pid: int
+    port_file: Path
+    log_path: Path
+    popen: subprocess.Popen | None = None  # None when forked by a fork server (which reaps it)
+    port: int | None = None
+    started: str | None = None  # start time of a forked process (see _proc_stat)
+
+    def __post_init__(self) -> None:
+        if self.popen is None and (stat := _proc_stat(self.pid)) is not None:
+            self.started = stat[1]
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "not ready yet"
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def prefix(self) -> str:
+        return part_prefix(self.component, self.name)
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None  # not reaped until polled: the pid is still ours
+        # The fork server reaps its children: a dead server's pid goes away, or is reused later.
+        stat = _proc_stat(self.pid)
+        return stat is not None and stat[1] == self.started and stat[0] not in ("Z", "X")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout: float = 30.0) -> ServerProcess:
+        """Block until the port file is written and ``/healthz`` answers, or raise :class:`ServerFailed`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not self.alive():
+                raise ServerFailed(f"{self.component} {self.name} (pid {self.pid}) exited:\n{self.log_tail()}")
+            if self.port is None and self.port_file.exists():
+                self.port = int(self.port_file.read_text())
+            if self.port is not None:
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.05)
+        raise ServerFailed(f"{self.component} {self.name} not ready after {timeout}s:\n{self.log_tail()}")
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL this server (a crash: nothing is flushed or closed) and wait until it is gone."""
+        if not self.alive():
+            return
+        os.kill(self.pid, signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(timeout=timeout)
+            return
+        end = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() > end:
+                raise ServerFailed(f"{self.component} {self.name} (pid {self.pid}) alive {timeout}s after SIGKILL")
+            time.sleep(0.01)
+
+
+def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: int = 0, seed: int = 0,
+           slow_ms: int = 0, commit_delay_ms: int = 0, model_url: str | None = None,
+           resource_url: str | None = None, forkserver: ForkServer | None = None,
+           test_faults: bool = False, token_store: str | None = None) -> ServerProcess:
+    """Start one server process (not yet ready: call :meth:`ServerProcess.wait_ready`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    stem = f"{component}-{name}-{time.monotonic_ns()}"
+    port_file, log_path = workdir / f"{stem}.port", workdir / f"{stem}.log"
+    argv = ["--component", component, "--name", name, "--port", str(port), "--port-file", str(port_file),
+            "--token-file", str(token_file), "--seed", str(seed), "--slow-ms", str(slow_ms),
+            "--commit-delay-ms", str(commit_delay_ms)]
+    if model_url:
+        argv += ["--model-url", model_url]
+    if resource_url:
+        argv += ["--resource-url", resource_url]
+    if test_faults:
+        argv += ["--test-faults"]
+    if token_store:
+        argv += ["--token-store", token_store]
+    if forkserver is not None:
+        return ServerProcess(component, name, forkserver.spawn(argv, log_path), port_file, log_path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "refgym.serve", *argv], cwd=REPO_ROOT, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return ServerProcess(component, name, popen.pid, port_file, log_path, popen=popen)
+
+
+@dataclass
+class Trio:
+    """One policy model server, one resource server and one agent server wired to both."""
+
+    model: ServerProcess
+    agent: ServerProcess
+    resource: ServerProcess
+
+    @property
+    def all(self) -> list[ServerProcess]:
+        return [self.model, self.agent, self.resource]
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that is free right now (the kernel picks it; it is not handed out again at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_trio(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_ms: int = 0, resource_slow_ms: int = 0,
+               commit_delay_ms: int = 0, model_name: str = "policy0", agent_name: str = "agent0",
+               resource_name: str = "tools", forkserver: ForkServer | None = None, timeout: float = 30.0,
+               test_faults: bool = False, token_store: str | None = None) -> Trio:
+    """Start the three servers at once (the agent is told the others' ports up front) and wait for all.
+
+    ``token_store``: where the model server captures each call's TokenEntry (none when not given).
+    """
+    model_port, resource_port = free_port(), free_port()
+    common = {"forkserver": forkserver}
+    started = [
+        launch("model", model_name, workdir, token_file, port=model_port, seed=seed, slow_ms=model_slow_ms,
+               commit_delay_ms=commit_delay_ms, token_store=token_store, **common),
+        launch("resource", resource_name, workdir, token_file, port=resource_port, slow_ms=resource_slow_ms,
+               test_faults=test_faults, **common),
+        launch("agent", agent_name, workdir, token_file, model_url=f"http://127.0.0.1:{model_port}",
+               resource_url=f"http://127.0.0.1:{resource_port}", **common),
+    ]
+    try:
+        for s in started:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in started:
+            s.kill()
+        raise
+    model, resource, agent = started
+    return Trio(model=model, agent=agent, resource=resource)

@@ -1,1 +1,0 @@
-"""Helpers for tests and benchmarks: real S3-compatible servers on loopback."""
