@@ -215,7 +215,8 @@ def cmd_cat(args: argparse.Namespace) -> int:
     out = sys.stdout
     limit = args.limit
     n = 0
-    if _is_rows(snap, args.part) and args.format == "jsonl" and _is_tokens(snap, args.part):
+    rows = _is_rows(snap, args.part)
+    if rows and args.format == "jsonl" and _is_tokens(snap, args.part):
         # Gym's own record, as its TokenEntry.model_validate_json accepts it, one per line.
         for entry in snap.select(args.part):
             for token_entry in iter_entries(snap.open_rows(entry), snap.where(entry)):
@@ -224,7 +225,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
                 out.write(json.dumps(token_entry, separators=(",", ":")) + "\n")
                 n += 1
         return 0
-    if _is_rows(snap, args.part):
+    if rows:
         writer = None
         for batch in _rows_iter(snap, args.part):
             for row in batch.to_pylist():

@@ -44,8 +44,8 @@ def check_digests(batch: pa.RecordBatch, where: str) -> int:
 
     A delta row holds only the prompt after its parent's tokens, so its digest covers tokens the
     row does not hold; it is checked only through its chain, which this function does not walk.
+    ``batch`` is in the current version's columns (``schemas.rows.upgrade`` gives that).
     """
-    batch = upgrade(KIND, batch, where)
     cols = batch.select(["model_call_id", "prompt_token_ids", "generation_token_ids", "digest", "cum_len",
                          "prompt_is_delta"]).to_pydict()
     checked = 0
