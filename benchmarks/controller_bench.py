@@ -128,10 +128,15 @@ def _workload(n: int):
 
 
 def _config(mode: str, n: int):
-    from coordinator.config import ControllerConfig
+    from coordinator.config import ControllerConfig, GymRolloutCheckpointing, RolloutCheckpointing
 
-    return ControllerConfig(write_mode=mode, prepare_timeout_s=TIMEOUT_S, commit_timeout_s=TIMEOUT_S,
-                            restore_timeout_s=TIMEOUT_S, max_in_flight=max(n, 1), keep_latest_k=2)
+    # The benchmark saves by calling save_now; the interval only has to be set (NeMo-RL's rule for Gym's share).
+    return ControllerConfig(
+        rollout_checkpointing=RolloutCheckpointing(
+            snapshot_attempt_interval_s=3600.0, keep_latest_k=2,
+            gym=GymRolloutCheckpointing(capability_discovery_enabled=True, participant_checkpointing_enabled=True,
+                                        prepare_timeout_s=TIMEOUT_S)),
+        write_mode=mode, commit_timeout_s=TIMEOUT_S, restore_timeout_s=TIMEOUT_S, max_in_flight=max(n, 1))
 
 
 class Job:
@@ -142,7 +147,7 @@ class Job:
         from coordinator.controller import SingleController
 
         self.gym = fleet.gym(model_slow_ms=MODEL_SLOW_MS)
-        self.actor = gym_actor.remote([p.url for p in self.gym.trio.all], fleet.token)
+        self.actor = gym_actor.remote({p.name: p.url for p in self.gym.servers.all}, fleet.token)
         self.ctl = SingleController(_config(mode, n), str(store_root), self.actor, _workload(n), data_plane=plane)
 
     def dispatch(self, n: int, log: Log) -> tuple[float, float]:
@@ -186,7 +191,7 @@ class Job:
     def kill(self) -> None:
         import ray
 
-        for p in self.gym.trio.all:
+        for p in self.gym.servers.all:
             p.kill()
         try:
             ray.kill(self.actor, no_restart=True)
@@ -201,7 +206,7 @@ def _parked(store_root: Path) -> tuple[int | None, dict[str, Any]]:
     if snap is None or snap.manifest.gym_commit is None:
         return None, {}
     payloads = {p.component: dict(p.payload or {}) for p in snap.manifest.gym_commit.participants}
-    return payloads.get("agent", {}).get("parked"), {
+    return payloads.get("responses_api_agents", {}).get("records"), {
         "snapshot_id": snap.manifest.snapshot_id, "sequence": snap.sequence,
         "bytes": sum(f.size for f in snap.manifest.files),
         "tq_bytes": sum(f.size for f in snap.manifest.files if f.path.startswith("tq/")),
@@ -295,8 +300,7 @@ def restore_point(fleet, point: dict[str, Any], log: Log) -> dict[str, Any]:
 
     data_plane.parse_table = timed_parse
     try:
-        found = job.ctl.gym.discover_checkpoint_capabilities()
-        job.ctl.fingerprint = found["fingerprint"]
+        job.ctl.discover()
         t0 = time.perf_counter()
         rep = job.ctl.restore()
         total = time.perf_counter() - t0

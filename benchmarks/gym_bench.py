@@ -33,11 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from coordinator.checkpoint import gym_parts
 from devtools.gym_fleet import Fleet, Gym, Spec, new_fleet, wait_until
 from devtools.gym_forkserver import ForkServer
 from devtools.gym_procs import REPO_ROOT
-from gymkit import gym_commit
+from gymkit.gym_fleet import CommitResult, ParticipantReply
 from refgym.agent_server import MAX_OPEN_CALLS
+from schemas.topology import manifest_fingerprint
 from snapformat import SnapshotStore, layout
 
 Log = Callable[[str], None]
@@ -52,51 +54,57 @@ START_THREADS = 4  # POST /rollouts calls sent at once
 
 
 def repeats_for(n: int, quick: bool) -> int:
-    """Measurements per N: 3 (the median is the middle one), 1 in a quick run."""
-    return 1 if quick else 3
+    """Measurements per N: 5 (the median is the middle one), 1 in a quick run."""
+    return 1 if quick else 5
 
 
 #: (key, label, what the time includes), in table order. Keys are those of a cycle's ``times_s``.
 PHASES: list[tuple[str, str, str]] = [
-    ("prepare_model", "prepare: model (pause until 0 in flight)",
-     "`POST /admission/pause`: the model server refuses new calls (503) and answers once the calls it had "
-     f"admitted have finished (each takes {MODEL_SLOW_MS} ms, so this is mostly the rest of the slowest one)"),
+    ("prepare_model", "prepare: model pause",
+     "`POST model-admission/pause`: the model server closes admission (new calls get 409 `checkpoint_parked`) "
+     "and answers at once, `draining` while calls are in flight"),
     ("prepare_agent", "prepare: agent (park at turn ends)",
-     "`POST /prepare` on the agent: closes the turn gate and waits until no rollout is inside a turn "
-     "(a turn whose model call was refused never started; one past its model call finishes its tool call). "
-     f"The agent runs at most {MAX_OPEN_CALLS} turns at once; a rollout waiting for a turn slot has not started "
-     "its turn and stops at once, so this is those turns finishing, whatever N"),
-    ("prepare_resource", "prepare: resource (freeze)",
-     "`POST /prepare` on the resource server: refuses tool calls and waits for the admitted ones (none left by now)"),
+     "`POST agent-checkpoint/prepare`: closes agent admission, asks every execution to park at its next "
+     "boundary and answers once nothing runs (a turn whose model call was refused never started; one past its "
+     f"model call finishes its tool calls). The agent runs at most {MAX_OPEN_CALLS} turns at once; a rollout "
+     "waiting for a turn slot has not started its turn and parks at once, so this is those turns finishing"),
+    ("prepare_resource", "prepare: resources export",
+     "`POST resources-checkpoint/prepare`: closes resources admission and exports every bound session under its lock"),
+    ("prepare_model_drain", "prepare: model drain",
+     "`GET model-admission/status?wait_state=paused`: waits for the model's last calls in flight (asked every "
+     "time here; NeMo-RL asks only a model that answered `draining`)"),
     ("begin", "begin draft",
      "`SnapshotStore.begin()`: find the newest snapshot and name the draft (local store)"),
     ("commit_agent", "commit: agent",
-     "`POST /commit` on the agent: attach its part, write `continuations.jsonl` and `agent_state.jsonl` "
-     "(every parked rollout with its trajectory so far), close the part; the answer carries the part receipt"),
+     "`POST agent-checkpoint/commit`: writes Gym's agent files into `checkpoint_dir` (the draft's `gym/` folder): "
+     "the boundary archive, `agent-index.jsonl`, `continuations.jsonl`, `manifest.json`"),
     ("commit_model", "commit: model",
-     "`POST /commit` on the model with the agent's receipt: read and check the agent's continuations from "
-     "the draft, pick each parked rollout's calls up to its last committed one, write `tokens.arrow`, "
-     "`ledger.jsonl`, `token_index.jsonl`"),
-    ("commit_resource", "commit: resource",
-     "`POST /commit` on the resource server: write `sessions.jsonl` (one notes session per rollout)"),
+     "`POST model-checkpoint/commit` with the agent's continuation index: reads and checks it, picks each root's "
+     "calls up to its last committed one, writes a lineage file per capture key, `storage-references.jsonl`, "
+     "`manifest.json`"),
+    ("commit_resource", "commit: resources",
+     "`POST resources-checkpoint/commit`: writes one session file per exported session and `manifest.json`"),
+    ("adopt", "adopt Gym's files",
+     "`gym_parts.adopt_commit`: checks each participant's `manifest.json` against the bytes and writes its part "
+     "manifest (files hashed in place: the store is a local folder)"),
     ("publish", "publish",
-     "`draft.publish(...)`: read and check the three part manifests, write the snapshot manifest and the "
-     "create-only commit record (the driver's side, no HTTP)"),
-    ("resume_resource", "resume: resource", "`POST /resume` on the resource server"),
-    ("resume_model", "resume: model", "`POST /resume` on the model server"),
-    ("resume_agent", "resume: agent", "`POST /resume` on the agent: reopens the turn gate"),
+     "`draft.publish(...)`: read and check the part manifests, write the snapshot manifest and the create-only "
+     "commit record (the driver's side, no HTTP)"),
+    ("resume_resource", "resume: resources", "`POST resources-checkpoint/resume`"),
+    ("resume_model", "resume: model", "`POST model-admission/resume`"),
+    ("resume_agent", "resume: agent", "`POST agent-checkpoint/resume`: releases the parked executions"),
     ("pause_total", "total pause (prepare start -> resume end)",
      "wall time from the model's pause call to the agent's resume answer: every row above"),
     ("restore_model", "restore: model",
-     "`POST /restore` on a fresh model server: open the snapshot, check the topology, load the ledger "
-     "joined with its token rows through the token index, close the old runs"),
+     "`POST model-checkpoint/restore` on a fresh model server: reads and checks the ledger folder, loads the "
+     "lineage rows, fences the saved tombstones and source attempts"),
     ("restore_agent", "restore: agent",
-     "`POST /restore` on a fresh agent: load continuations and agent state, set each parked rollout up "
-     "as attempt n+1 (its task waits for resume); the answer lists every continuation"),
-    ("restore_resource", "restore: resource",
-     "`POST /restore` on a fresh resource server: load the notes sessions with their revisions"),
-    ("resume_after_restore", "resume after restore (resource, model, agent)",
-     "the three `POST /resume` calls after the restore, together"),
+     "`POST agent-checkpoint/restore` on a fresh agent: reads and checks the archives and indexes; each parked "
+     "execution becomes the continuation of attempt n+1"),
+    ("restore_resource", "restore: resources",
+     "`POST resources-checkpoint/restore` on a fresh resources server: loads the sessions as attempt n+1"),
+    ("resume_after_restore", "resume after restore (resources, model, agent)",
+     "the three resume calls after the restore, together"),
     ("restore_total", "total restore (restore start -> resume end)",
      "wall time from the first restore call to the agent's resume answer (fresh servers already running)"),
 ]
@@ -151,29 +159,48 @@ def cycle(fleet: Fleet, store: SnapshotStore, store_root: Path, n: int, tag: str
     ck = f"bench-{tag}"
     deadline = time.time() + DEADLINE_S
     t_pause = time.perf_counter()
-    prep = {"model": _timed(times, "prepare_model", lambda: gym.model.prepare(ck, deadline)),
-            "agent": _timed(times, "prepare_agent", lambda: gym.agent.prepare(ck, deadline)),
-            "resource": _timed(times, "prepare_resource", lambda: gym.resource.prepare(ck, deadline))}
+    # NeMo-RL's prepare order: the model stops admitting calls, the agent parks every rollout at a
+    # turn end, the resources export their sessions, then the model's last calls drain.
+    _timed(times, "prepare_model", lambda: gym.model.model.pause(ck, deadline))
+    agent_status = _timed(times, "prepare_agent", lambda: gym.agent.agent.prepare(ck, deadline))
+    inventory = _timed(times, "prepare_resource", lambda: gym.resource.resources.prepare(ck, deadline))
+    # Always asked (NeMo-RL asks only a model that was still draining), so every cycle has the row.
+    model_state = _timed(times, "prepare_model_drain", lambda: gym.model.model.status(
+        ck, deadline, wait_state="paused", timeout_s=max(0.0, deadline - time.time())))
     draft = _timed(times, "begin", store.begin)
-    agent = _timed(times, "commit_agent", lambda: gym.agent.commit(ck, deadline, draft.url))
-    assert agent.part is not None
-    model = _timed(times, "commit_model", lambda: gym.model.commit(ck, deadline, draft.url, [agent.part]))
-    resource = _timed(times, "commit_resource", lambda: gym.resource.commit(ck, deadline, draft.url))
-    commits = [(gym.agent.caps, agent), (gym.model.caps, model), (gym.resource.caps, resource)]  # commit order
+    checkpoint_dir = gym_parts.save_dir(draft)
+    replies: list[ParticipantReply] = []
+
+    def commit(key: str, client: Any, call: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        reply = _timed(times, key, call)
+        caps = client.capabilities()
+        replies.append(ParticipantReply(component=caps.component, name=caps.name, server_name=caps.name, reply=reply,
+                                        seconds=time.perf_counter() - t0))
+        return reply
+
+    agent = commit("commit_agent", gym.agent, lambda: gym.agent.agent.commit(ck, deadline, checkpoint_dir.path))
+    model = commit("commit_model", gym.model, lambda: gym.model.model.commit(
+        ck, deadline, checkpoint_dir.path, [agent.continuation_index]))
+    resource = commit("commit_resource", gym.resource, lambda: gym.resource.resources.commit(
+        ck, deadline, checkpoint_dir.path))
+    result = CommitResult(checkpoint_id=ck, participants=replies, checkpoint_dir=checkpoint_dir.path)
+    parts = _timed(times, "adopt", lambda: gym_parts.adopt_commit(draft, checkpoint_dir, result))
     published = _timed(times, "publish", lambda: draft.publish(
-        receipts=[a.part for _, a in commits if a.part is not None],
-        gym_commit=gym_commit(ck, commits), topology_fingerprint=fingerprint))
-    for key, c in (("resume_resource", gym.resource), ("resume_model", gym.model), ("resume_agent", gym.agent)):
-        _timed(times, key, lambda c=c: c.resume(ck))
+        receipts=parts.receipts, gym_commit=parts.gym_commit, topology_fingerprint=manifest_fingerprint(fingerprint)))
+    for key, call in (("resume_resource", lambda: gym.resource.resources.resume(ck, deadline)),
+                      ("resume_model", lambda: gym.model.model.resume(ck, deadline)),
+                      ("resume_agent", lambda: gym.agent.agent.resume(ck, deadline))):
+        _timed(times, key, call)
     times["pause_total"] = time.perf_counter() - t_pause
 
     snap_dir = store_root / layout.snapshot_dir(published.manifest.snapshot_id)
-    part_bytes = {comp: _part_bytes(snap_dir / p.prefix) for comp, p in
-                  (("model", gym.trio.model), ("agent", gym.trio.agent), ("resource", gym.trio.resource))}
+    part_bytes = {comp: _part_bytes(snap_dir / p.part_prefix) for comp, p in
+                  zip(("agent", "model", "resource"), parts.gym_commit.participants) if p.part_prefix}
     part_bytes["total"] = sum(part_bytes.values())
 
     # -- crash: every server SIGKILLed; fresh ones (not timed) restored from the snapshot ----------
-    for p in gym.trio.all:
+    for p in gym.servers.all:
         p.kill()
     t0 = time.perf_counter()
     fresh = fleet.gym(model_slow_ms=MODEL_SLOW_MS)
@@ -183,32 +210,36 @@ def cycle(fleet: Fleet, store: SnapshotStore, store_root: Path, n: int, tag: str
     rid = f"restore-{tag}"
     deadline = time.time() + DEADLINE_S
     t_restore = time.perf_counter()
-    restored = {}
-    for key, c in (("restore_model", fresh.model), ("restore_agent", fresh.agent),
-                   ("restore_resource", fresh.resource)):
-        restored[c.caps.component] = _timed(times, key, lambda c=c: c.restore(
-            rid, deadline, published.url, ck, fingerprint))
+    snap = store.open(published.manifest.sequence)
+    restore_dir = gym_parts.restore_dir(snap, [p.part_prefix for p in parts.gym_commit.participants if p.part_prefix])
+    restored = {
+        "model": _timed(times, "restore_model", lambda: fresh.model.model.restore(rid, deadline, restore_dir.path)),
+        "agent": _timed(times, "restore_agent", lambda: fresh.agent.agent.restore(rid, deadline, restore_dir.path)),
+        "resource": _timed(times, "restore_resource", lambda: fresh.resource.resources.restore(
+            rid, deadline, restore_dir.path)),
+    }
     t0 = time.perf_counter()
-    for c in (fresh.resource, fresh.model, fresh.agent):
-        if c.resume(rid).admission != "accepting":
-            raise RuntimeError(f"{c.caps.component} did not resume after the restore")
+    fresh.resource.resources.resume(rid, deadline)
+    fresh.model.model.resume(rid, deadline)
+    fresh.agent.agent.resume(rid, deadline)
     end = time.perf_counter()
     times["resume_after_restore"] = end - t0
     times["restore_total"] = end - t_restore
-    for p in fresh.trio.all:
+    for p in fresh.servers.all:
         p.kill()
 
     counts = {
         "requested": n,
-        "in_flight_after_prepare": {k: v.in_flight for k, v in prep.items()},
-        "agent_commit_parked": agent.payload["parked"],
-        "agent_commit_finished_unacked": agent.payload["finished_unacked"],
-        "model_commit_rollouts": model.payload["rollouts"],
-        "model_commit_calls": model.payload["calls"],
-        "resource_commit_sessions": resource.payload["sessions"],
-        "agent_restore_continuations": len(restored["agent"].payload["continuations"]),
-        "model_restore_calls": restored["model"].payload["calls"],
-        "resource_restore_sessions": restored["resource"].payload["sessions"],
+        "in_flight_after_prepare": {"model": model_state.inflight_total, "agent": agent_status.running},
+        "resource_prepare_sessions": inventory.sessions,
+        "agent_commit_parked": agent.records,
+        "agent_commit_completed_unacknowledged": agent_status.completed_unacknowledged,
+        "model_commit_rollouts": model.rollouts,
+        "model_commit_calls": model.rows,
+        "resource_commit_sessions": resource.sessions,
+        "agent_restore_continuations": restored["agent"].records,
+        "model_restore_calls": restored["model"].rows,
+        "resource_restore_sessions": restored["resource"].sessions,
     }
     return {"times_s": times, "bytes": part_bytes, "counts": counts, "files": len(published.manifest.files),
             "setup_s": round(setup_s, 3), "restart_s": round(restart_s, 3)}
@@ -291,11 +322,11 @@ def markdown(result: dict) -> str:
     lines = [
         "# Gym protocol benchmark: phase times vs parked rollouts",
         "",
-        f"The three reference Gym servers (`refgym`: model, agent, resource; uvicorn on 127.0.0.1, forked from "
+        f"The reference Gym servers (`refgym`: model, agent, resources `tools` and `sandbox`; uvicorn on 127.0.0.1, forked from "
         f"one fork server) are started fresh for every measurement; N rollouts of {r['turns']} turns "
         f"(tool: notes) run until each has finished at least one turn (every model call takes "
         f"{r['model_slow_ms']} ms; the agent keeps at most {r['agent_open_calls']} calls open), then the "
-        f"snapshot is driven call by call in the documented order, every server is SIGKILLed, three fresh "
+        f"snapshot is driven call by call in NeMo-RL's order, every server is SIGKILLed, fresh "
         f"ones are started (not timed) and restored. Times are measured with "
         f"`time.perf_counter` on the driver's side, so each includes its HTTP round trip; the snapshot store is "
         f"a local folder. Median of {reps}; the machine is shared with other work, so the numbers are noisy "
@@ -335,7 +366,7 @@ def markdown(result: dict) -> str:
                      f"{c['resource_restore_sessions']} |")
     lines += ["", "## What each phase includes", ""]
     lines += [f"- **{label}**: {what}." for _, label, what in PHASES]
-    lines += ["- **bytes written**: every file under the server's part prefix `gym/<component>/<name>/` of the "
+    lines += ["- **bytes written**: every file under the server's part prefix (`gym/agent/instance-<sha>/`, `gym/model-ledger/<name>/`, `gym/resources/<name>/`) of the "
               "published snapshot (its data files and its part manifest).",
               "- Not timed: starting the servers (fork server), starting the rollouts and waiting for their first "
               "turn, the topology fingerprint (`GET /ng-control/v1/capabilities`, fetched before the pause)."]

@@ -8,7 +8,8 @@ only ever those the protocol allows:
   ``claimed_for_training`` -> ``applied_uncheckpointed`` (a training step used it; the trainer's
   step count travels in the same snapshot, in the loader place's ``extra``);
 - rollout attempt: ``reserved`` -> ``dispatched`` -> ``sealed`` | ``failed``; after a restore an
-  unfinished run ``n`` becomes ``abandoned`` and run ``n + 1`` is ``dispatched``;
+  unfinished run ``n`` becomes ``abandoned`` and run ``n + 1`` is ``reserved`` (sent again once Gym
+  is resumed);
 - ACK owed: added when a result is sealed (its rows are in the data plane), removed when Gym
   confirms the acknowledgement (or answers that it no longer holds the result);
 - replay index: one entry per training row, ``ready`` -> ``claimed_for_training`` ->
@@ -172,12 +173,14 @@ class Bookkeeping:
 
     # -- restore -----------------------------------------------------------------------------
     def next_run(self, rollout_id: str, from_attempt: int, new_attempt: int) -> None:
-        """An unfinished run ``from_attempt`` continues as ``new_attempt`` (= n + 1) after a restore."""
+        """An unfinished run ``from_attempt`` continues as ``new_attempt`` (= n + 1) after a restore:
+        reserved, so the loop sends it (Gym's ``/run`` of n + 1, which picks up the restored
+        continuation) once Gym is resumed."""
         a = self._current(rollout_id, from_attempt, OPEN_STATES)
         if new_attempt != from_attempt + 1:
             raise InvalidRecordError(f"rollout {rollout_id!r}: Gym restored run {new_attempt}, expected {from_attempt + 1}")
         self.abandoned.append(Attempt(a.rollout_id, a.group_id, a.attempt_index, "abandoned"))
-        self.attempts[rollout_id] = Attempt(rollout_id, a.group_id, new_attempt, "dispatched")
+        self.attempts[rollout_id] = Attempt(rollout_id, a.group_id, new_attempt, "reserved")
 
     # -- records -----------------------------------------------------------------------------
     def records(self) -> ControllerRecords:

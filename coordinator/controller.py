@@ -22,7 +22,6 @@ only through the NemoGym actor (:class:`GymHandle`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
@@ -37,6 +36,8 @@ from coordinator.errors import GymCallError
 from coordinator.faults import CrashPlan, Steps
 from coordinator.samples import TOKEN_PARTITION, TRAIN_PARTITION, decode_results, put_results
 from coordinator.workload import Workload
+from gymkit.gym_fleet import Topology
+from schemas.topology import manifest_fingerprint
 from snapformat.snapshot_store import SnapshotStore
 
 log = logging.getLogger("coordinator.controller")
@@ -61,17 +62,6 @@ class GymHandle:
                 raise cause from None
 
         return call
-
-
-def acknowledge_owed(gym: Any, books: Bookkeeping) -> None:
-    """Send every acknowledgement ``books`` owes through ``gym`` and mark each sent; a result the agent
-    no longer holds was acknowledged before."""
-    owed = [(a.rollout_id, a.attempt_index) for a in books.acks_owed.values()]
-    if not owed:
-        return
-    answer = gym.acknowledge(owed)
-    for rid in answer["acknowledged"] + answer["unknown"]:
-        books.acknowledged(rid)
 
 
 class RunOutcome(msgspec.Struct, kw_only=True):
@@ -105,10 +95,14 @@ def make_data_plane(kind: str, timeout_s: float = 300.0, capture_max_bytes: int 
 class SingleController:
     """Drives one run of ``workload`` through Gym, saving to the snapshot store at ``store_url``.
 
-    ``data_plane`` is ``"tq"`` or ``"memory"`` (:func:`make_data_plane`), or a data plane to use as is."""
+    ``data_plane`` is ``"tq"`` or ``"memory"`` (:func:`make_data_plane`), or a data plane to use as is.
+    ``staging_dir``: where Gym's files are staged when the store is not local disk (default: the
+    system's temporary folder)."""
 
     def __init__(self, config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, *,
-                 data_plane: str | DataPlane = "tq", crash_plan: CrashPlan | None = None) -> None:
+                 data_plane: str | DataPlane = "tq", crash_plan: CrashPlan | None = None,
+                 staging_dir: str | None = None) -> None:
+        config.check_supported()
         self.config = config
         self.gym = GymHandle(gym_actor)
         self.workload = workload
@@ -118,7 +112,10 @@ class SingleController:
         self.steps = Steps(crash_plan)
         self.checkpointer = Checkpointer(Seams(
             gym=self.gym, store=SnapshotStore(store_url), plane=self.plane, config=config, steps=self.steps,
-            store_and_acknowledge=self.collect, acknowledge=functools.partial(acknowledge_owed, self.gym)))
+            store_and_acknowledge=self.collect, acknowledge=self._acknowledge_restored, staging_dir=staging_dir))
+        # The completion receipt of every stored result whose acknowledgement is owed, with its agent.
+        self._receipts: dict[str, dict[str, Any]] = {}
+        self.topology: Topology | None = None
         self.fingerprint = ""
         self.restored: RestoreReport | None = None
         self._gym_down_since: float | None = None
@@ -131,15 +128,19 @@ class SingleController:
         return self.restore()
 
     def discover(self) -> str:
-        """Ask Gym for its servers' capabilities; returns the running topology's fingerprint."""
-        found = self.gym.discover_checkpoint_capabilities()
-        self.fingerprint = found["fingerprint"]
+        """Ask Gym for its servers' capabilities; returns the running topology's fingerprint as a
+        manifest spells it (``sha256:<NeMo-RL's hex>``)."""
+        self.topology = self.gym.discover_checkpoint_capabilities()
+        self.fingerprint = manifest_fingerprint(self.topology.fingerprint)
         return self.fingerprint
 
     def restore(self) -> RestoreReport | None:
         """Restore from the newest usable snapshot of this topology and adopt its bookkeeping (Gym is
         resumed on return); None when the store holds no snapshot (the run starts fresh)."""
-        outcome = self.checkpointer.restore(self.workload, self.fingerprint)
+        if self.topology is None:
+            self.discover()
+        assert self.topology is not None
+        outcome = self.checkpointer.restore(self.workload, self.topology)
         if outcome is not None:
             self.books = outcome.books
         self.restored = None if outcome is None else outcome.report
@@ -150,14 +151,14 @@ class SingleController:
         """Run until every prompt is trained (or ``max_seconds``); returns what happened."""
         t0 = time.monotonic()
         last_save = time.monotonic()
-        interval = self.config.snapshot_attempt_interval_s
+        interval = self.config.rollout_checkpointing.snapshot_attempt_interval_s
         while not self.books.done():
             if time.monotonic() - t0 > max_seconds:
                 break
             self.checkpointer.raise_if_failing()
             try:
                 if self.pending_resume is not None:
-                    self.gym.resume_checkpoint(self.pending_resume)
+                    self.gym.resume_checkpoint(self.pending_resume, time.time() + self.config.resume_timeout_s)
                     self.pending_resume = None
                 self.collect()
                 self.train()
@@ -203,8 +204,40 @@ class SingleController:
             keys = put_results(self.plane, fresh, group_of)
             for r, key in zip(fresh, keys):
                 self.books.sealed(r.rollout_id, r.attempt_index, key, TRAIN_PARTITION)
-        acknowledge_owed(self.gym, self.books)
+        for r in results:  # every result listed is stored now (or failed): its receipt goes back
+            owed = self.books.acks_owed.get(r.rollout_id)
+            if r.completion_receipt is not None and owed is not None and owed.attempt_index == r.attempt_index:
+                self._receipts[r.rollout_id] = {"receipt": msgspec.to_builtins(r.completion_receipt),
+                                                "agent_name": r.agent_name}
+        self.acknowledge_owed(self.books)
         return len(fresh)
+
+    def acknowledge_owed(self, books: Bookkeeping, *, restored: bool = False) -> None:
+        """Send the acknowledgement of every result ``books`` owes, as the receipts the agents issued,
+        and mark each sent. A result listed without a receipt stays owed (a later listing may carry
+        it). With ``restored`` (the bookkeeping a restore rebuilt), an acknowledgement without a
+        receipt here is settled as it is: Gym commits no unacknowledged result (CONTROL.md §7), so
+        the restored agents hold none of them."""
+        owed = list(books.acks_owed.values())
+        if not owed:
+            return
+        sendable = [self._receipts[a.rollout_id] for a in owed if a.rollout_id in self._receipts]
+        if sendable:
+            self.gym.acknowledge_completed_executions(sendable)
+        for a in owed:
+            if a.rollout_id in self._receipts:
+                del self._receipts[a.rollout_id]
+            elif restored:
+                log.info("acknowledgement of %s run %d owed from before the restore: settled (Gym holds no "
+                         "unacknowledged result across a checkpoint)", a.rollout_id, a.attempt_index)
+            else:
+                log.warning("result of %s run %d was listed without a completion receipt; its acknowledgement "
+                            "stays owed", a.rollout_id, a.attempt_index)
+                continue
+            books.acknowledged(a.rollout_id)
+
+    def _acknowledge_restored(self, books: Bookkeeping) -> None:
+        self.acknowledge_owed(books, restored=True)
 
     def train(self) -> None:
         while batch := self.books.claim_batch(self.config.train_batch_groups):
@@ -223,7 +256,9 @@ class SingleController:
             specs += group
         if not specs:
             return
-        answer = self.gym.start_rollouts([msgspec.to_builtins(s) for s in specs])
+        runs = {rid: a.attempt_index for rid, a in self.books.attempts.items()}
+        answer = self.gym.start_rollouts([msgspec.to_builtins(s) | {"attempt_index": runs.get(s.rollout_id, 0)}
+                                          for s in specs])
         self.books.dispatched(answer["accepted"])
 
     # -- saving -----------------------------------------------------------------------------

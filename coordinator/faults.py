@@ -19,9 +19,9 @@ import msgspec
 log = logging.getLogger("coordinator.faults")
 
 #: Save boundaries, in the order a save reaches them. ``background`` mode reaches ``resumed``
-#: before ``written``/``published``; ``in_pause`` mode after them.
+#: before ``gym_adopted``/``written``/``published``; ``in_pause`` mode after them.
 SAVE_STEPS = ("save.begin", "save.acks_flushed", "save.prepared", "save.gym_committed", "save.cut", "save.resumed",
-              "save.written", "save.published")
+              "save.gym_adopted", "save.written", "save.published")
 RESTORE_STEPS = ("restore.begin", "restore.picked", "restore.dataplane_loaded", "restore.gym_restored",
                  "restore.bookkeeping_loaded", "restore.discarded", "restore.acks_resent", "restore.resumed")
 ALL_STEPS = SAVE_STEPS + RESTORE_STEPS

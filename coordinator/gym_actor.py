@@ -1,22 +1,37 @@
-"""The NemoGym actor: the one caller of every Gym server, over HTTP, in the protocol's orders.
+"""The NemoGym actor: the one caller of every Gym server, over HTTP, with NeMo-RL's method names.
 
 The Single Controller never talks to Gym itself; it calls this actor (a Ray actor: see
-:func:`remote`). Every control call goes through ``gymkit``'s client: a :class:`gymkit.GymFleet`
-fans each step out to every server of a component in parallel and moves to the next component
-only when all have answered (CONTROL.md §8):
+:func:`remote`). The checkpoint methods are NeMo-RL's (``nemo_rl/environments/nemo_gym.py`` of the
+``d595189f`` era; CONTROL.md §8), with the same names and arguments:
 
-- prepare: models (``/admission/pause``), then agents, then resources;
-- commit: agents, then models (given every agent's continuation receipt), then resources;
-- resume and abort: resources, then models, then agents (what agents call opens first);
-- restore: models, then agents, then resources (all stay paused until resume).
+- ``discover_checkpoint_capabilities(server_names=None)``: every server's capabilities, checked
+  against NeMo-RL's participant rules; the topology and its fingerprint;
+- ``acknowledge_completed_executions(executions=[{receipt, agent_name}])``: one batch per agent;
+- ``prepare_checkpoint(checkpoint_id, deadline_ts)``: freezes this actor's dispatch, then models
+  pause -> agents prepare (again on ``agent_prepare_incomplete``) -> resources prepare -> models
+  polled until paused; on failure everyone called is resumed and dispatch reopens;
+- ``commit_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir)``: agents -> policy model (given
+  the agents' continuation indexes) -> resources, each writing its files into ``checkpoint_dir``;
+- ``restore_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir, source_checkpoint_id=None)``:
+  models -> agents -> resources, all staying paused (dispatch frozen until the resume);
+- ``discard_restored_agent_continuations(checkpoint_id, deadline_ts, executions)``;
+- ``resume_checkpoint(checkpoint_id, deadline_ts)``: resources -> models -> agents (the design
+  note's order; :mod:`gymkit.gym_fleet` says where NeMo-RL's versions differ), then dispatch reopens;
+- ``abort_checkpoint(checkpoint_id, deadline_ts)``: the same calls as resume (Gym has no abort
+  route); what failed is returned, not raised, and dispatch reopens.
 
-Every control call carries the checkpoint id and an absolute deadline; the HTTP timeout of a call
-is the time left before that deadline (plus ``gymkit.control_client.GRACE_S``), so a server that
-hangs is given up on at the deadline, not later. Rollouts go to the agent server chosen by a
-stable hash of their id over the agents sorted by name: the same agent before and after a
-restore. Whatever fails reaches the controller as a :class:`~coordinator.errors.GymCallError`.
+The call orders, retries and rules are :class:`gymkit.gym_fleet.GymFleet`'s; every control call's
+HTTP timeout is ``max(0.001, deadline_ts - now)`` plus the client's grace
+(:data:`gymkit.control_client.GRACE_S`). The rollout side keeps its routes: ``start_rollouts``
+sends each rollout to the agent chosen by a stable hash of its id over the agents sorted by name
+(the same agent before and after a restore); ``results`` lists what every agent holds, each result
+tagged with ``agent_name`` (the agent's participant name, what acknowledging it needs).
 
-This module imports neither Ray nor the controller: :func:`remote` wraps the class for Ray.
+Servers are given as ``{server_name: url}`` (Gym's top-level config keys; each must equal the
+server's capability name) or as a list of URLs (each named by its capability name). Whatever fails
+reaches the controller as a :class:`~coordinator.errors.GymCallError` whose ``error`` is the Gym
+code (or the client's own: ``unreachable``, ``timeout``, ``bad_answer``, ``topology``,
+``not_ready``). This module imports neither Ray nor the controller: :func:`remote` wraps the class.
 """
 
 from __future__ import annotations
@@ -25,28 +40,39 @@ import asyncio
 import functools
 import hashlib
 import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
-import msgspec
 
 from coordinator.errors import GymCallError
-from gymkit.control_client import AsyncControlClient, CommitResult, ControlCallError, GymFleet
+from gymkit.control_client import ControlCallError, error_code
+from gymkit.gym_fleet import (
+    AbortResult,
+    AcknowledgeResult,
+    CommitResult,
+    DiscardResult,
+    GymFleet,
+    PrepareResult,
+    RestoreResult,
+    Server,
+    StepResult,
+    Topology,
+)
+from schemas.control import CompletionReceipt
 
 log = logging.getLogger("coordinator.gym")
 
-__all__ = ["CommitResult", "NemoGym", "remote"]
+__all__ = ["NemoGym", "remote"]
 
-CALL_TIMEOUT_S = 30.0  # calls without a deadline of their own (capabilities, rollouts, results, acknowledgements)
+CONTROL_TIMEOUT_S = 60.0  # calls without a deadline of their own (capabilities, acknowledgements, rollouts)
 MAX_PARALLEL_STARTS = 16
 KEEPALIVE_EXPIRY_S = 2.0  # below any server's keep-alive (uvicorn's default is 5 s)
 
 
 def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """The actor's errors are the coordinator's: a failed call is a :class:`GymCallError` with the
-    same message, server, status and error code."""
+    same message, server, status, and the code as ``error``."""
 
     @functools.wraps(method)
     async def wrapper(*args: Any, **kw: Any) -> Any:
@@ -54,26 +80,31 @@ def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             return await method(*args, **kw)
         except ControlCallError as exc:
             raise GymCallError(str(exc), component=exc.component, name=exc.name, status=exc.status,
-                               error=exc.error) from None
+                               error=exc.code) from None
 
     return wrapper
 
 
 class NemoGym:
-    """Calls to a set of Gym servers (``urls``), each authenticated with the control ``token``."""
+    """Calls to a set of Gym servers, each control call authenticated with ``token``."""
 
-    def __init__(self, urls: Sequence[str], token: str) -> None:
-        if not urls:
+    def __init__(self, servers: Mapping[str, str] | Sequence[str], token: str, *,
+                 control_timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        if not servers:
             raise ValueError("NemoGym needs at least one Gym server")
-        self._urls = [u.rstrip("/") for u in urls]
+        self._servers: Mapping[str, str] | list[str] = (
+            {k: v.rstrip("/") for k, v in servers.items()} if isinstance(servers, Mapping)
+            else [u.rstrip("/") for u in servers])
         self._token = token
+        self._control_timeout_s = control_timeout_s
         self._http: httpx.AsyncClient | None = None
         self._fleet: GymFleet | None = None
+        self._active_checkpoint_id: str | None = None  # dispatch is frozen while one is active
 
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=CALL_TIMEOUT_S, limits=httpx.Limits(
+            self._http = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
                 max_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S))
         return self._http
 
@@ -85,139 +116,165 @@ class NemoGym:
     @property
     def fleet(self) -> GymFleet:
         if self._fleet is None:
-            raise GymCallError("discover_checkpoint_capabilities must be called first")
+            raise GymCallError("discover_checkpoint_capabilities must succeed before Gym checkpoint control calls")
         return self._fleet
 
-    # -- discovery ---------------------------------------------------------------------------
-    @_as_gym_call_errors
-    async def discover_checkpoint_capabilities(self) -> dict[str, Any]:
-        """Every server's capabilities and the running topology fingerprint (CONTROL.md §2)."""
-        fleet = GymFleet.connect(self._urls, self._token, self.http, timeout=CALL_TIMEOUT_S)
-        fingerprint = await fleet.discover()
-        self._fleet = fleet
-        return {"participants": [msgspec.to_builtins(s.caps) for s in fleet.servers], "fingerprint": fingerprint}
-
     @property
-    def agents(self) -> list[AsyncControlClient]:
-        return self.fleet.of("agent")
+    def active_checkpoint_id(self) -> str | None:
+        return self._active_checkpoint_id
 
-    # -- the checkpoint steps ----------------------------------------------------------------
+    # -- discovery ---------------------------------------------------------------------------------
     @_as_gym_call_errors
-    async def prepare_checkpoint(self, checkpoint_id: str, deadline: float) -> dict[str, float]:
-        """Pause models, park agents at turn ends, freeze resources; returns seconds per component."""
-        return await self.fleet.prepare(checkpoint_id, deadline)
+    async def discover_checkpoint_capabilities(self, server_names: list[str] | None = None) -> Topology:
+        """Every server's capabilities (or only ``server_names``'), checked; the topology (NeMo-RL's
+        contracts) and its fingerprint (bare hex)."""
+        fleet = GymFleet.connect(self._servers, self._token, self.http, control_timeout_s=self._control_timeout_s)
+        topology = await fleet.discover(server_names)
+        self._fleet = fleet
+        return topology
 
+    # -- completed results -----------------------------------------------------------------------
     @_as_gym_call_errors
-    async def commit_checkpoint(self, checkpoint_id: str, deadline: float, draft_url: str) -> CommitResult:
-        """Each server writes its part into the draft at ``draft_url``: agents, then models, then resources."""
-        return await self.fleet.commit(checkpoint_id, deadline, draft_url)
-
-    @_as_gym_call_errors
-    async def resume_checkpoint(self, checkpoint_id: str) -> dict[str, float]:
-        """Resume (resources, then models, then agents). Repeats are answered the same by each server."""
-        return await self.fleet.resume(checkpoint_id, time.time() + CALL_TIMEOUT_S)
-
-    @_as_gym_call_errors
-    async def abort_checkpoint(self, checkpoint_id: str) -> list[str]:
-        """Abort on every server, in the resume order, whatever each answers: a server that never began
-        the checkpoint answers 409 ``wrong_phase`` (fine). Returns the failures, for the log."""
-        return await self.fleet.abort(checkpoint_id, time.time() + CALL_TIMEOUT_S)
+    async def acknowledge_completed_executions(self, executions: list[dict[str, Any]]) -> AcknowledgeResult:
+        """Release completed results RL now owns durably: ``[{"receipt": {...}, "agent_name": ...}]``,
+        one ``acknowledge-completed`` batch per agent; every reply echoes its receipts."""
+        if not executions:
+            return AcknowledgeResult(acknowledged=[])
+        return await self.fleet.acknowledge_completed_executions(executions)
 
     @_as_gym_call_errors
-    async def restore_checkpoint(self, restore_id: str, deadline: float, snapshot_url: str, saved_checkpoint_id: str,
-                                 fingerprint: str) -> dict[str, Any]:
-        """Every server loads its part of the snapshot and stays paused. Returns the agents' answers
-        merged: ``continuations`` (run n + 1 of each unfinished rollout) and ``finished_unacked``."""
-        answers = await self.fleet.restore(restore_id, deadline, snapshot_url, saved_checkpoint_id, fingerprint)
-        merged: dict[str, Any] = {"continuations": [], "finished_unacked": []}
-        for agent in self.agents:
-            payload = answers[agent.prefix].payload
-            merged["continuations"] += payload.get("continuations", [])
-            merged["finished_unacked"] += payload.get("finished_unacked", [])
-        return merged
+    async def completion_receipt(self, agent_name: str, rollout_id: str, attempt_index: int) -> CompletionReceipt:
+        """The receipt of one completed result (``GET completion-receipt`` on its agent)."""
+        return await self.fleet.completion_receipt(agent_name, rollout_id, attempt_index)
+
+    # -- the checkpoint steps ----------------------------------------------------------------------
+    def _freeze(self, checkpoint_id: str) -> None:
+        if self._active_checkpoint_id not in (None, checkpoint_id):
+            raise GymCallError(f"Gym checkpoint {self._active_checkpoint_id!r} is already active; "
+                               f"{checkpoint_id!r} refused")
+        self._active_checkpoint_id = checkpoint_id
+
+    def _unfreeze(self, checkpoint_id: str) -> None:
+        if self._active_checkpoint_id == checkpoint_id:
+            self._active_checkpoint_id = None
 
     @_as_gym_call_errors
-    async def discard(self, restore_id: str, deadline: float, refs: Sequence[tuple[str, int]]) -> list[str]:
-        """Restored continuations that used a restart-only resource start over (on their own agent)."""
-        out: list[str] = []
-        for agent, mine in self._by_agent(refs):
-            out += (await agent.discard(restore_id, deadline, mine)).get("discarded", [])
-        return out
+    async def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
+        """Freeze dispatch and prepare every participant, or resume those called, reopen and raise."""
+        fleet = self.fleet
+        self._freeze(checkpoint_id)
+        try:
+            return await fleet.prepare(checkpoint_id, deadline_ts)
+        except BaseException:
+            self._unfreeze(checkpoint_id)
+            raise
 
-    # -- rollouts ----------------------------------------------------------------------------
-    def agent_of(self, rollout_id: str) -> AsyncControlClient:
+    @_as_gym_call_errors
+    async def commit_checkpoint(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str) -> CommitResult:
+        """Every export_restore participant writes its files into ``checkpoint_dir``."""
+        self._require_active(checkpoint_id, "commit")
+        return await self.fleet.commit(checkpoint_id, deadline_ts, checkpoint_dir)
+
+    @_as_gym_call_errors
+    async def restore_checkpoint(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+                                 source_checkpoint_id: str | None = None) -> RestoreResult:
+        """Every export_restore participant loads its files from ``checkpoint_dir`` and stays paused;
+        dispatch stays frozen until the resume (or abort)."""
+        fleet = self.fleet
+        self._freeze(checkpoint_id)
+        return await fleet.restore(checkpoint_id, deadline_ts, checkpoint_dir, source_checkpoint_id)
+
+    @_as_gym_call_errors
+    async def discard_restored_agent_continuations(self, checkpoint_id: str, deadline_ts: float,
+                                                   executions: list[dict[str, Any]]) -> DiscardResult:
+        """The replacement attempts ``[{rollout_id, attempt_index}]`` start over instead of continuing."""
+        self._require_active(checkpoint_id, "discard")
+        return await self.fleet.discard_restored_agent_continuations(checkpoint_id, deadline_ts, executions)
+
+    @_as_gym_call_errors
+    async def resume_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> StepResult:
+        """Resume every participant (resources, models, agents); dispatch reopens once all answered.
+        A repeat is answered the same by each server (its resume replays)."""
+        result = await self.fleet.resume(checkpoint_id, deadline_ts)
+        self._unfreeze(checkpoint_id)
+        return result
+
+    @_as_gym_call_errors
+    async def abort_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> AbortResult:
+        """The resume calls, whatever each answers; ``failures`` lists what failed (a server that never
+        began answers ``invalid_phase``: not a failure). Dispatch reopens."""
+        try:
+            result = await self.fleet.abort(checkpoint_id, deadline_ts)
+        finally:
+            self._unfreeze(checkpoint_id)
+        for failure in result.failures:
+            log.warning("abort of %s: %s", checkpoint_id, failure)
+        return result
+
+    def _require_active(self, checkpoint_id: str, what: str) -> None:
+        if self._active_checkpoint_id != checkpoint_id:
+            raise GymCallError(f"{what} of Gym checkpoint {checkpoint_id!r}: it is not the active checkpoint "
+                               f"({self._active_checkpoint_id!r})")
+
+    # -- rollouts ----------------------------------------------------------------------------------
+    @property
+    def agents(self) -> list[Server]:
+        return self.fleet.agents
+
+    def agent_of(self, rollout_id: str) -> Server:
         agents = self.agents
         if not agents:
             raise GymCallError("no agent server")
         h = int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "little")
         return agents[h % len(agents)]
 
-    def _by_agent(self, refs: Iterable[tuple[str, Any]]) -> list[tuple[AsyncControlClient, list[tuple[str, Any]]]]:
-        """``refs`` grouped by the agent that holds each rollout."""
-        out: dict[str, tuple[AsyncControlClient, list[tuple[str, Any]]]] = {}
-        for ref in refs:
-            agent = self.agent_of(ref[0])
-            out.setdefault(agent.url, (agent, []))[1].append(tuple(ref))
-        return list(out.values())
-
     @_as_gym_call_errors
     async def start_rollouts(self, specs: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
-        """Send rollouts to their agents. ``accepted`` (202, or 409: the agent already has it),
-        ``paused`` (503: try again later); anything else raises."""
+        """Send rollout attempts (Gym's ``/run`` of (rollout id, attempt index)) to their agents.
+        ``accepted``: 202, or 409 ``duplicate_execution`` (the agent already runs it); ``paused``:
+        409 ``agent_admission_closed`` or 503 (try again later); anything else raises. Refused while
+        a checkpoint is active."""
+        if self._active_checkpoint_id is not None:
+            raise GymCallError(f"Gym dispatch is frozen for checkpoint {self._active_checkpoint_id!r}")
         out: dict[str, list[str]] = {"accepted": [], "paused": []}
         sem = asyncio.Semaphore(MAX_PARALLEL_STARTS)
 
         async def one(spec: dict[str, Any]) -> None:
             s = self.agent_of(spec["rollout_id"])
-            body = {k: spec[k] for k in ("rollout_id", "seed", "turns", "tools")}
-            async with sem:  # a second start of the same rollout is a 409: sending it again is safe
-                resp = await s.request("POST", "/rollouts", body, idempotent=True)
-            if resp.status_code in (202, 409):
+            body = {k: spec[k] for k in ("rollout_id", "attempt_index", "seed", "turns", "tools") if k in spec}
+            async with sem:  # a second start of the same attempt is refused as a duplicate: sending it again is safe
+                resp = await s.client.request("POST", "/rollouts", body, idempotent=True)
+            code = error_code(resp) if resp.status_code == 409 else None
+            if resp.status_code == 202 or code == "duplicate_execution":
                 out["accepted"].append(spec["rollout_id"])
-            elif resp.status_code == 503:
+            elif resp.status_code == 503 or code == "agent_admission_closed":
                 out["paused"].append(spec["rollout_id"])
             else:
-                raise GymCallError(f"starting {spec['rollout_id']} on {s.label}: {resp.status_code} {resp.text[:300]}",
-                                   component="agent", name=s.caps.name, status=resp.status_code)
+                raise GymCallError(f"starting {spec['rollout_id']} on {s.client.label}: {resp.status_code} "
+                                   f"{resp.text[:300]}", component=s.component, name=s.name, status=resp.status_code,
+                                   error=code)
 
         await asyncio.gather(*(one(sp) for sp in specs))
         return out
 
     @_as_gym_call_errors
-    async def results(self) -> list[Any]:
-        """Every finished (or failed) result the agents hold, not yet acknowledged."""
-        lists = await asyncio.gather(*(s.request("GET", "/results", check=True, idempotent=True) for s in self.agents))
-        return [r for resp in lists for r in resp.json()]
-
-    @_as_gym_call_errors
-    async def acknowledge(self, refs: Sequence[tuple[str, int]]) -> dict[str, list[str]]:
-        """Acknowledge finished results. An agent that no longer holds one answers 404
-        ``unknown_rollout``: it was acknowledged before (CONTROL.md §4); such refs come back in
-        ``unknown``, one call each, so one of them cannot hold up the others."""
-        out: dict[str, list[str]] = {"acknowledged": [], "unknown": []}
-
-        async def call(s: AsyncControlClient, mine: list[tuple[str, int]]) -> bool:
-            try:
-                await s.acknowledge(mine)
-            except ControlCallError as exc:
-                if exc.error == "unknown_rollout":
-                    return False
-                raise
-            return True
-
-        async def per_agent(s: AsyncControlClient, mine: list[tuple[str, int]]) -> None:
-            if await call(s, mine):
-                out["acknowledged"] += [r for r, _ in mine]
-                return
-            for ref in mine:  # all-or-nothing refused: find which ones it no longer holds
-                (out["acknowledged"] if await call(s, [ref]) else out["unknown"]).append(ref[0])
-
-        await asyncio.gather(*(per_agent(s, mine) for s, mine in self._by_agent(refs)))
+    async def results(self) -> list[dict[str, Any]]:
+        """Every finished (or failed) result the agents hold, not yet acknowledged; each carries
+        ``agent_name``, the participant name of the agent that listed it."""
+        agents = self.agents
+        lists = await asyncio.gather(*(s.client.request("GET", "/results", check=True, idempotent=True)
+                                       for s in agents))
+        out: list[dict[str, Any]] = []
+        for s, resp in zip(agents, lists):
+            for r in resp.json():
+                r.setdefault("agent_name", s.name)
+                out.append(r)
         return out
 
 
-def remote(urls: Sequence[str], token: str, **options: Any) -> Any:
+def remote(servers: Mapping[str, str] | Sequence[str], token: str, **options: Any) -> Any:
     """The NemoGym actor on Ray (no CPU reserved: it waits on HTTP). Needs ``ray`` initialised."""
     import ray
 
-    return ray.remote(NemoGym).options(num_cpus=0, **options).remote(list(urls), token)
+    servers = dict(servers) if isinstance(servers, Mapping) else list(servers)
+    return ray.remote(NemoGym).options(num_cpus=0, **options).remote(servers, token)

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from coordinator.dataplane import DataPlane, Ragged
+from schemas.control import CompletionReceipt
 from schemas.identity import capture_key
 
 TRAIN_PARTITION = "train"
@@ -46,6 +47,8 @@ class RolloutResult(msgspec.Struct, frozen=True):
     turn_keys: list[str] = []
     input_ids: list[int] = []
     prompt_lens: list[int] = []
+    completion_receipt: CompletionReceipt | None = None  # the agent's receipt, sent back to acknowledge
+    agent_name: str = ""  # the agent that holds it (its participant name)
 
     def check(self) -> None:
         """Refuse a result whose parts do not line up (a Gym bug must not become training data)."""

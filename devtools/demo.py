@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pyarrow as pa
 
-from coordinator.config import ControllerConfig
+from coordinator.config import ControllerConfig, GymRolloutCheckpointing, RolloutCheckpointing
 from coordinator.workload import Workload
 from devtools.accounting import content, differences, trained_once
 from devtools.job_process import JobProcess
@@ -50,7 +49,7 @@ def reference_content(workdir: Path, workload: Workload, config: ControllerConfi
                       model_slow_ms: int) -> dict[str, Any]:
     """The final rows of an uninterrupted run (no snapshots), as :func:`~devtools.accounting.content`."""
     ref = JobProcess(str(workdir / "reference-store"), workdir / "reference", workload=workload,
-                     config=msgspec.structs.replace(config, snapshot_attempt_interval_s=None),
+                     config=config.without_snapshots(),
                      model_slow_ms=model_slow_ms, outcome=workdir / "reference" / "outcome.json")
     if ref.wait(JOB_TIMEOUT_S) != 0:
         raise RuntimeError(f"the uninterrupted reference run failed:\n{ref.tail()}")
@@ -71,7 +70,7 @@ def run_demo(store: str, workdir: Path, workload: Workload, config: ControllerCo
     expected = reference_content(workdir, workload, config, model_slow_ms)
     _say(f"   done in {time.monotonic() - t0:.1f}s (the job's start included)")
 
-    _say(f"\n== 2. the same run with a snapshot every {config.snapshot_attempt_interval_s}s; "
+    _say(f"\n== 2. the same run with a snapshot every {config.rollout_checkpointing.snapshot_attempt_interval_s}s; "
          "SIGKILL every process mid-run")
     crashed = JobProcess(run_store, workdir / "run", workload=workload, config=config, model_slow_ms=model_slow_ms,
                          log_name="job-1.log")
@@ -109,8 +108,8 @@ def run_demo(store: str, workdir: Path, workload: Workload, config: ControllerCo
         where = "starts over (it used the restart-only sandbox)" if c["discarded"] else \
             f"continues after {c['after_call']}" if c["after_call"] else "starts at its first turn"
         _say(f"   {c['rollout_id']:>10}  run {c['attempt_index']}  {where}")
-    _say(f"   {len(restored['continued'])} rollouts continued, {restored['finished_unacked']} finished results "
-         f"were collected from Gym's snapshot, {restored['acks_resent']} acknowledgements re-sent")
+    _say(f"   {len(restored['continued'])} rollouts continued, {restored['acks_resent']} acknowledgements owed from "
+         "before the crash settled")
 
     _say("\n== 5. check against the uninterrupted run")
     ids = [s.rollout_id for i in range(workload.prompts) for s in workload.group(i)]
@@ -146,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="snapdemo-"))
     workload = Workload(prompts=args.prompts, group_size=args.group_size)
-    config = ControllerConfig(snapshot_attempt_interval_s=args.interval, max_in_flight=args.max_in_flight,
-                              keep_latest_k=3)
+    config = ControllerConfig(rollout_checkpointing=RolloutCheckpointing(
+        snapshot_attempt_interval_s=args.interval, keep_latest_k=3, gym=GymRolloutCheckpointing(
+            capability_discovery_enabled=True, participant_checkpointing_enabled=True)), max_in_flight=args.max_in_flight)
     store = args.store if "://" in args.store else str(Path(args.store).resolve())
     return run_demo(store, workdir, workload, config, args.model_slow_ms)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 
 from devtools.gym_forkserver import ForkServer
-from gymkit import part_prefix
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+BIND_ATTEMPTS = 3  # starts of a deployment whose pre-picked port another process took meanwhile
 
 
 class ServerFailed(RuntimeError):
@@ -61,10 +61,6 @@ class ServerProcess:
     def url(self) -> str:
         assert self.port is not None, "not ready yet"
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def prefix(self) -> str:
-        return part_prefix(self.component, self.name)
 
     def alive(self) -> bool:
         if self.popen is not None:
@@ -113,19 +109,22 @@ class ServerProcess:
 
 def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: int = 0, seed: int = 0,
            slow_ms: int = 0, commit_delay_ms: int = 0, model_url: str | None = None,
-           resource_url: str | None = None, forkserver: ForkServer | None = None,
-           test_faults: bool = False, token_store: str | None = None) -> ServerProcess:
+           resource_url: str | None = None, sandbox_url: str | None = None, tool: str = "notes",
+           forkserver: ForkServer | None = None, test_faults: bool = False,
+           token_store: str | None = None) -> ServerProcess:
     """Start one server process (not yet ready: call :meth:`ServerProcess.wait_ready`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     stem = f"{component}-{name}-{time.monotonic_ns()}"
     port_file, log_path = workdir / f"{stem}.port", workdir / f"{stem}.log"
     argv = ["--component", component, "--name", name, "--port", str(port), "--port-file", str(port_file),
             "--token-file", str(token_file), "--seed", str(seed), "--slow-ms", str(slow_ms),
-            "--commit-delay-ms", str(commit_delay_ms)]
+            "--commit-delay-ms", str(commit_delay_ms), "--tool", tool]
     if model_url:
         argv += ["--model-url", model_url]
     if resource_url:
         argv += ["--resource-url", resource_url]
+    if sandbox_url:
+        argv += ["--sandbox-url", sandbox_url]
     if test_faults:
         argv += ["--test-faults"]
     if token_store:
@@ -141,16 +140,18 @@ def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: 
 
 
 @dataclass
-class Trio:
-    """One policy model server, one resource server and one agent server wired to both."""
+class GymServers:
+    """One policy model server, two resources servers (``notes``, exported; ``sandbox``,
+    restart-only) and one agent server wired to them."""
 
     model: ServerProcess
     agent: ServerProcess
     resource: ServerProcess
+    sandbox: ServerProcess
 
     @property
     def all(self) -> list[ServerProcess]:
-        return [self.model, self.agent, self.resource]
+        return [self.model, self.agent, self.resource, self.sandbox]
 
 
 def free_port() -> int:
@@ -160,23 +161,46 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_trio(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_ms: int = 0, resource_slow_ms: int = 0,
-               commit_delay_ms: int = 0, model_name: str = "policy0", agent_name: str = "agent0",
-               resource_name: str = "tools", forkserver: ForkServer | None = None, timeout: float = 30.0,
-               test_faults: bool = False, token_store: str | None = None) -> Trio:
-    """Start the three servers at once (the agent is told the others' ports up front) and wait for all.
+def start_servers(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_ms: int = 0,
+                  resource_slow_ms: int = 0, commit_delay_ms: int = 0, model_name: str = "policy0",
+                  agent_name: str = "agent0", resource_name: str = "tools", sandbox_name: str = "sandbox",
+                  forkserver: ForkServer | None = None, timeout: float = 30.0, test_faults: bool = False,
+                  token_store: str | None = None) -> GymServers:
+    """Start the four servers at once (the agent is told the others' ports up front) and wait for all.
 
     ``token_store``: where the model server captures each call's TokenEntry (none when not given).
     """
-    model_port, resource_port = free_port(), free_port()
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        try:
+            return _start_servers_once(workdir, token_file, seed=seed, model_slow_ms=model_slow_ms,
+                                       resource_slow_ms=resource_slow_ms, commit_delay_ms=commit_delay_ms,
+                                       model_name=model_name, agent_name=agent_name, resource_name=resource_name,
+                                       sandbox_name=sandbox_name, forkserver=forkserver, timeout=timeout,
+                                       test_faults=test_faults, token_store=token_store)
+        except ServerFailed as exc:
+            # The ports are picked before the servers bind them (the agent is told them up front): another
+            # process may take one in between. Then all four start again on fresh ports.
+            if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_servers_once(workdir: Path, token_file: Path, *, seed: int, model_slow_ms: int, resource_slow_ms: int,
+                        commit_delay_ms: int, model_name: str, agent_name: str, resource_name: str,
+                        sandbox_name: str, forkserver: ForkServer | None, timeout: float, test_faults: bool,
+                        token_store: str | None) -> GymServers:
+    model_port, resource_port, sandbox_port = free_port(), free_port(), free_port()
     common = {"forkserver": forkserver}
     started = [
         launch("model", model_name, workdir, token_file, port=model_port, seed=seed, slow_ms=model_slow_ms,
                commit_delay_ms=commit_delay_ms, token_store=token_store, **common),
         launch("resource", resource_name, workdir, token_file, port=resource_port, slow_ms=resource_slow_ms,
                test_faults=test_faults, **common),
+        launch("resource", sandbox_name, workdir, token_file, port=sandbox_port, slow_ms=resource_slow_ms,
+               tool="sandbox", **common),
         launch("agent", agent_name, workdir, token_file, model_url=f"http://127.0.0.1:{model_port}",
-               resource_url=f"http://127.0.0.1:{resource_port}", **common),
+               resource_url=f"http://127.0.0.1:{resource_port}", sandbox_url=f"http://127.0.0.1:{sandbox_port}",
+               **common),
     ]
     try:
         for s in started:
@@ -185,5 +209,5 @@ def start_trio(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_ms:
         for s in started:
             s.kill()
         raise
-    model, resource, agent = started
-    return Trio(model=model, agent=agent, resource=resource)
+    model, resource, sandbox, agent = started
+    return GymServers(model=model, agent=agent, resource=resource, sandbox=sandbox)

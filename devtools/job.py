@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     fleet = new_fleet(args.workdir / f"gym-{os.getpid()}")
     try:
         gym = fleet.gym(model_slow_ms=args.model_slow_ms, resource_slow_ms=args.resource_slow_ms)
-        pids = {p.component: p.pid for p in gym.trio.all}
+        servers = gym.servers
+        pids = {"model": servers.model.pid, "agent": servers.agent.pid, "resource": servers.resource.pid,
+                "sandbox": servers.sandbox.pid}
         (args.workdir / "gym.pids.json").write_text(json.dumps(pids))
-        actor = gym_actor.remote([p.url for p in gym.trio.all], fleet.token)
+        actor = gym_actor.remote({p.name: p.url for p in servers.all}, fleet.token)
         ctl = controller_mod.remote(config, args.store, actor, workload, data_plane=args.data_plane,
                                     crash_plan=plan)
         (args.workdir / "controller.pid").write_text(str(ray.get(ctl.status.remote())["pid"]))
@@ -80,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             print("job: the store holds no snapshot; starting fresh", flush=True)
         else:
             print(f"job: restored snapshot {restored.sequence} ({len(restored.continued)} rollouts continue, "
-                  f"{sum(c.discarded for c in restored.continued)} start over, "
-                  f"{restored.finished_unacked} finished results to collect)", flush=True)
+                  f"{sum(c.discarded for c in restored.continued)} start over)", flush=True)
         run = ctl.run.remote(args.max_seconds)
         seen = 0
         with open(args.workdir / "saves.jsonl", "ab") as saves_log:

@@ -32,14 +32,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import ControllerConfig
+from coordinator.config import ControllerConfig, GymRolloutCheckpointing, RolloutCheckpointing
 from coordinator.workload import Workload
 from devtools.accounting import content, differences, trained_once
 from devtools.demo import reference_content, saves_of, tables_of
 from devtools.job_process import JobProcess, process_tree
 from snapformat import SnapshotStore, verify_snapshot
 
-PLACES = ("controller", "model", "agent", "resource", "tq_storage", "job")
+PLACES = ("controller", "model", "agent", "resource", "sandbox", "tq_storage", "job")
 EXIT_WAIT_S = 40.0  # how long the operator lets a wounded job fail by itself before killing it whole
 JOB_TIMEOUT_S = 900.0
 
@@ -55,7 +55,7 @@ def pids_of(job: JobProcess, place: str) -> list[int]:
     """The processes that make up ``place`` in ``job`` (empty if it is not running yet)."""
     if place == "job":
         return process_tree(job.pid)
-    if place in ("model", "agent", "resource"):
+    if place in ("model", "agent", "resource", "sandbox"):
         path = job.workdir / "gym.pids.json"
         return [json.loads(path.read_text())[place]] if path.exists() else []
     if place == "controller":
@@ -170,7 +170,7 @@ def run_soak(store: str, workdir: Path, minutes: float, max_cycles: int, seed: i
     print(f"| wounded jobs | {', '.join(f'{e} {n}' for e, n in sorted(Counter(soak.exits).items()))} |")
     print(f"| saves logged: published / aborted | {sum(s['published'] for s in saves)} / "
           f"{sum(not s['published'] for s in saves)} |")
-    print(f"| snapshots kept (keep_latest_k={config.keep_latest_k}), all verify | {len(snaps.list())}, "
+    print(f"| snapshots kept (keep_latest_k={config.rollout_checkpointing.keep_latest_k}), all verify | {len(snaps.list())}, "
           f"{'yes' if not bad else 'NO'} |")
     print(f"| rollouts | {len(ids)}, final rows equal an uninterrupted run's: {'yes' if not lost else 'NO'} |")
     print(f"| lost or trained twice | {len(lost)} |")
@@ -193,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="snapsoak-"))
     workload = Workload(prompts=args.prompts, group_size=4)
-    config = ControllerConfig(snapshot_attempt_interval_s=1.0, max_in_flight=16, keep_latest_k=3,
-                              gym_unreachable_s=5.0, prepare_timeout_s=20.0, commit_timeout_s=20.0,
-                              restore_timeout_s=60.0)
+    config = ControllerConfig(
+        rollout_checkpointing=RolloutCheckpointing(snapshot_attempt_interval_s=1.0, keep_latest_k=3,
+                                                   gym=GymRolloutCheckpointing(
+            capability_discovery_enabled=True, participant_checkpointing_enabled=True, prepare_timeout_s=20.0)),
+        max_in_flight=16, gym_unreachable_s=5.0, commit_timeout_s=20.0, restore_timeout_s=60.0)
     s3 = None
     store = args.store or str(workdir / "store")
     if args.store == "s3":

@@ -1,28 +1,21 @@
-"""The participant kit: what a Gym server mounts to take part in save and restore, and the client
-that drives it.
+"""What a Gym server mounts to take part in save and restore, and the client that drives it.
 
-A server supplies a :class:`Participant` (its own state export and import); the kit gives it the
-``/ng-control/v1`` routes, the phase machine with fencing, idempotency and deadlines, bearer-token
-checks, admission (``Participant.admits_work``), and writing or reading its part of a snapshot with
-``snapformat`` into the staging location it is given at commit (never outside it).
+Gym's per-component checkpoint control protocol (``spec/CONTROL.md``), one module per component:
+:mod:`gymkit.model_control` (data-plane admission and the ``model-admission``/``model-checkpoint``
+routes), :mod:`gymkit.agent_control` (the execution registry and the ``agent-checkpoint`` routes),
+:mod:`gymkit.resources_control` (sessions and the ``resources-checkpoint`` routes), all on one
+:class:`~gymkit.fence.Fence` per process; Gym's checkpoint files (:mod:`gymkit.checkpoint_dir`).
 
 The other side, the coordinator's: :class:`ControlClient` / :class:`AsyncControlClient` (one
-server's calls, typed) and :class:`GymFleet` (every server, in the protocol's call orders).
+server's calls, typed) and :class:`GymFleet` (every server, in NeMo-RL's call orders).
 """
 
-from gymkit.control_client import (
-    AsyncControlClient,
-    CommitResult,
-    ControlCallError,
-    ControlClient,
-    GymFleet,
-    gym_commit,
-)
-from gymkit.control_plane import ControlPlane, ControlRefused
-from gymkit.participant import CommitContext, Participant, part_prefix
+from gymkit.control_client import AsyncControlClient, ControlCallError, ControlClient
+from gymkit.fence import ControlError, Fence
+from gymkit.gym_fleet import CommitResult, GymFleet, Topology
 from gymkit.token_store import TokenStore as TokenStore  # Gym's TokenSink and TokenSource over a snapformat store
 
 __all__ = [
-    "AsyncControlClient", "CommitContext", "CommitResult", "ControlCallError", "ControlClient", "ControlPlane",
-    "ControlRefused", "GymFleet", "Participant", "gym_commit", "part_prefix",
+    "AsyncControlClient", "CommitResult", "ControlCallError", "ControlClient", "ControlError", "Fence", "GymFleet",
+    "Topology",
 ]

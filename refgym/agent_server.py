@@ -1,21 +1,27 @@
 """The reference agent server: multi-turn rollouts, parked at turn ends for a snapshot.
 
-A rollout (``POST /rollouts``) runs as one asyncio task. Each turn is: a model call on the policy
-model server (prompt = the rollout's cumulative tokens, ``call-<t>`` with parent ``call-<t-1>``),
-then one call per tool of the rollout on the resource server; the tool results' tokens join the
-conversation and the next turn starts. A finished result stays listed (``GET /results``) until the
-controller acknowledges it.
+A rollout attempt (``POST /rollouts``, Gym's ``/run`` of (rollout id, attempt index)) runs as one
+asyncio task, registered as an execution of Gym's agent checkpoint kit
+(:class:`gymkit.agent_control.AgentExecutions`). Each turn is: a model call on the policy model
+server (prompt = the rollout's cumulative tokens, ``call-<t>`` with parent ``call-<t-1>``), then one
+call per tool of the rollout on the resources server of that tool (``notes``: exported;
+``sandbox``: restart-only); the tool results' tokens join the conversation and the next turn
+starts. The finished result stays retained (``GET /results``, with its completion receipt) until
+the controller acknowledges the receipt.
 
-Prepare closes the turn gate: a rollout between turns stops there, one inside a turn finishes that
-turn first (never half a turn), and prepare returns when none is inside a turn. A model call
-refused while the model is paused (503) or unreachable does not start the turn: the rollout waits
-and tries again, so a paused or restarted model server loses no rollout.
+Boundaries: the rollout records one before its first turn (no model call yet) and one after each
+turn (Gym's ``turn_complete``; ``agent_state`` holds the trajectory so far, and
+``resource_state_revisions`` the revision of each resources server it used). A prepare asks every
+running execution to park: a rollout between turns parks at once, one inside a turn finishes that
+turn first (never half a turn), and one whose last turn just ended parks too rather than
+completing, so a prepare never waits for a result to be acknowledged. A model call refused while
+the model is paused (409 ``checkpoint_parked``) or unreachable does not start the turn: the rollout
+waits and tries again.
 
-Commit writes ``continuations.jsonl`` (one :class:`AgentContinuationRoot` per unfinished rollout)
-and ``agent_state.jsonl`` (every unfinished or finished-but-unacknowledged rollout, with its
-trajectory so far). Restore sets each unfinished rollout up as attempt n+1 (capture key
-``<rollout_id>-a<n+1>``) continuing after its last committed model call; ``discard`` makes a
-restored rollout start over (it used a restart-only resource); resume lets them all run.
+Restore is the kit's: each parked execution's boundary becomes the continuation of attempt n+1,
+which the controller runs again (``POST /rollouts`` with ``attempt_index`` n+1) after resume; the
+agent rebuilds the rollout from the boundary's ``agent_state`` and continues after its last
+committed model call. A continuation the controller discarded starts over.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from gymkit import CommitContext, ControlPlane, ControlRefused, Participant
+from gymkit.agent_control import AgentExecutions, AgentParticipant, agent_router, whitebox_agent_declaration
+from gymkit.control_client import error_code
+from gymkit.fence import ControlError, Fence
 from refgym import rules
 from refgym.api import (
     REVISION_HEADER,
@@ -44,25 +52,30 @@ from refgym.api import (
     decode,
     health_routes,
     install_error_handler,
-    paused,
     reply,
 )
-from refgym.parts import invalid_records_refused, part_records
-from schemas.control import Capabilities, RolloutRef
+from schemas.control import (
+    HEADER_ATTEMPT_INDEX,
+    HEADER_EXPECTED_REVISION,
+    HEADER_RESOURCE_REQUEST_ID,
+    HEADER_ROLLOUT_ID,
+    Capabilities,
+    CompletionReceipt,
+)
 from schemas.errors import InvalidRecordError
-from schemas.gym_records import AgentContinuationRoot, AgentStateRecord
+from schemas.gym_files import AgentBoundaryRecord
 from schemas.identity import capture_key, check_rollout_id
-from snapformat.draft import PartWriter
-from snapformat.reader import Snapshot
 
 log = logging.getLogger("refgym.agent")
 Outcome = Literal["running", "finished", "failed"]
 #: Turns the agent runs at once, and calls it has open at once to the model and (as many again) to the
-#: resource server, one per pooled connection. Rollouts beyond it wait on semaphores: httpcore's pool
+#: resources servers, one per pooled connection. Rollouts beyond it wait on semaphores: httpcore's pool
 #: rescans its whole queue and every connection on each request, so 1,000 rollouts queued there stall
 #: the agent's event loop. A rollout waiting for a turn slot has not started its turn, so parking waits
 #: for at most this many turns (their model call, then their tool calls), whatever the number of rollouts.
 MAX_OPEN_CALLS = 16
+#: Data-plane codes that mean "not now, try again" (a checkpoint holds the server).
+_RETRY_CODES = ("checkpoint_parked", "resources_admission_closed")
 
 
 class ToolResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,7 +95,7 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RolloutState(msgspec.Struct, frozen=True, kw_only=True):
-    """The agent's own state of one rollout: ``AgentStateRecord.state`` in a snapshot."""
+    """The agent's own state of one rollout: a boundary's ``agent_state`` in a snapshot."""
 
     seed: int
     turns: int
@@ -90,13 +103,12 @@ class RolloutState(msgspec.Struct, frozen=True, kw_only=True):
     trajectory: list[Turn]
     turn_keys: list[str]  # capture key of the attempt that ran each turn
     revisions: dict[str, int]  # tool kind -> session revision after this rollout's last call
-    resource: str | None = None  # the resource server's name, once a tool answered
-    outcome: Outcome = "running"
-    error: str | None = None
+    resources: dict[str, str] = {}  # tool kind -> the resources server's name, once a tool answered
+    sessions_ended: bool = False  # every turn done and its sessions ended: it depends on no resources server
 
 
 class RolloutFailed(Exception):
-    """A server refused a rollout's call for good (4xx): the rollout ends as failed."""
+    """A server refused a rollout's call for good: the rollout ends as failed."""
 
 
 class NotStarted(Exception):
@@ -113,11 +125,14 @@ class Rollout:
     trajectory: list[Turn] = field(default_factory=list)
     turn_keys: list[str] = field(default_factory=list)
     revisions: dict[str, int] = field(default_factory=dict)
-    resource: str | None = None
+    resources: dict[str, str] = field(default_factory=dict)
     outcome: Outcome = "running"
     error: str | None = None
-    restored: dict[str, Any] | None = None  # set by restore: where this attempt picks up
+    restored: dict[str, Any] | None = None  # set when this attempt continues a restored boundary
+    receipt: CompletionReceipt | None = None
     task: asyncio.Task | None = None
+    sessions_ended: bool = False
+    recorded: int = -1  # the boundary index last recorded with the kit
 
     @property
     def capture_key(self) -> str:
@@ -151,14 +166,29 @@ class Rollout:
     def state(self) -> RolloutState:
         return RolloutState(seed=self.seed, turns=self.turns, tools=list(self.tools),  # type: ignore[arg-type]
                             trajectory=list(self.trajectory), turn_keys=list(self.turn_keys),
-                            revisions=dict(self.revisions), resource=self.resource, outcome=self.outcome,
-                            error=self.error)
+                            revisions=dict(self.revisions), resources=dict(self.resources),
+                            sessions_ended=self.sessions_ended)
+
+    @property
+    def boundary_index(self) -> int:
+        """Turns done, plus one once the finished rollout ended its sessions (a boundary of its own:
+        from there it depends on no resources server)."""
+        return len(self.trajectory) + int(self.sessions_ended)
+
+    def boundary(self) -> AgentBoundaryRecord:
+        """Where the rollout stands: after its last finished turn (or before its first)."""
+        return AgentBoundaryRecord(
+            rollout_id=self.rollout_id, attempt_index=self.attempt_index, boundary_index=self.boundary_index,
+            turn_index=len(self.trajectory), last_committed_model_call_id=self.last_call,
+            resource_state_revisions={} if self.sessions_ended else {
+                self.resources[k]: rev for k, rev in sorted(self.revisions.items()) if k in self.resources},
+            agent_state=msgspec.to_builtins(self.state()))
 
     def view(self, full: bool = True) -> dict[str, Any]:
-        v = {"rollout_id": self.rollout_id, "attempt_index": self.attempt_index, "capture_key": self.capture_key,
-             "outcome": self.outcome, "error": self.error, "turns": self.turns, "turns_done": len(self.trajectory),
-             "last_committed_model_call_id": self.last_call, "restart_only": self.restart_only,
-             "restored": self.restored}
+        v = {"id": self.capture_key, "rollout_id": self.rollout_id, "attempt_index": self.attempt_index,
+             "capture_key": self.capture_key, "outcome": self.outcome, "error": self.error, "turns": self.turns,
+             "turns_done": len(self.trajectory), "last_committed_model_call_id": self.last_call,
+             "restart_only": self.restart_only, "restored": self.restored}
         if full:
             tokens, prompt_lens = self.conversation()
             v |= {"trajectory": msgspec.to_builtins(self.trajectory), "turn_keys": list(self.turn_keys),
@@ -166,199 +196,192 @@ class Rollout:
         return v
 
 
-class AgentParticipant(Participant):
-    """The agent server's rollouts and its side of the checkpoint protocol."""
+def _from_boundary(record: AgentBoundaryRecord, attempt_index: int) -> Rollout:
+    """The rollout a restored boundary holds, as attempt ``attempt_index`` (n+1)."""
+    where = f"restored boundary of {record.rollout_id!r} attempt {record.attempt_index}"
+    try:
+        st = msgspec.convert(record.agent_state, RolloutState)
+    except msgspec.ValidationError as exc:
+        raise InvalidRecordError(f"{where}: agent_state: {exc}") from None
+    r = Rollout(rollout_id=record.rollout_id, seed=st.seed, turns=st.turns, tools=list(st.tools),
+                attempt_index=attempt_index, trajectory=list(st.trajectory), turn_keys=list(st.turn_keys),
+                revisions=dict(st.revisions), resources=dict(st.resources), sessions_ended=st.sessions_ended)
+    if len(r.trajectory) != record.turn or r.last_call != record.last_committed_model_call_id:
+        raise InvalidRecordError(f"{where}: turn {record.turn} after call {record.last_committed_model_call_id!r}, "
+                                 f"but agent_state has {len(r.trajectory)} turns ending at {r.last_call!r}")
+    r.restored = {"from_attempt": record.attempt_index, "after_call": r.last_call}
+    return r
 
-    def __init__(self, name: str, model_url: str, resource_url: str) -> None:
+
+class RefAgent(AgentParticipant):
+    """The agent server's rollouts, run as executions of Gym's agent checkpoint kit."""
+
+    def __init__(self, name: str, model_url: str, tool_urls: dict[str, str], executions: AgentExecutions) -> None:
         self.name = name
         self.model_url = model_url.rstrip("/")
-        self.resource_url = resource_url.rstrip("/")
+        self.tool_urls = {k: u.rstrip("/") for k, u in tool_urls.items()}
+        self.executions = executions
         self.http: httpx.AsyncClient | None = None
-        self.rollouts: dict[str, Rollout] = {}
-        self._gate = asyncio.Event()  # open: rollouts may start turns
-        self._gate.set()
-        self._parking = asyncio.Event()  # set while the gate is closed: a turn not yet started gives up
+        self.rollouts: dict[tuple[str, int], Rollout] = {}
         # Cleared when the model refuses a call (paused, restarting): then one rollout, the leader, retries
         # with backoff while the others wait for it to succeed, so 1,000 rollouts do not poll a paused model.
         self._model_ok = asyncio.Event()
         self._model_ok.set()
         self._leader: Rollout | None = None
-        self._busy = 0  # rollouts inside a turn
-        self._quiet = asyncio.Event()
-        self._quiet.set()
         self._turn_slots = asyncio.Semaphore(MAX_OPEN_CALLS)  # turns started and not yet finished
         self._open_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # model calls wait here, not in httpx's pool
-        self._tool_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # resource calls (session reset, tools)
+        self._tool_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # resources calls (session reset, tools)
 
     # -- the protocol ------------------------------------------------------------------------
-    def capabilities(self) -> Capabilities:
-        return Capabilities(component="agent", name=self.name, checkpoint_mode="export_restore")
+    def declaration(self) -> Capabilities:
+        return whitebox_agent_declaration(self.name)
 
-    def in_flight(self) -> int:
-        return self._busy
-
-    async def prepare(self, deadline: float) -> None:
-        """Park: close the gate, then wait until no rollout is inside a turn. A rollout still waiting
-        for a call slot has not started its turn (its model call is not sent): it stops at once, so
-        parking takes the time of the calls in flight, not of every rollout's turn in the queue."""
-        self._close_gate()
-        while self._busy:
-            await self._quiet.wait()
-
-    async def resume(self) -> None:
-        self._open_gate()
-
-    def _close_gate(self) -> None:
-        self._gate.clear()
-        self._parking.set()
-
-    def _open_gate(self) -> None:
-        self._parking.clear()
+    async def on_resume(self) -> None:
         self._model_ok.set()  # resume comes after the model's own (resources, models, agents): try again
         self._leader = None
-        self._gate.set()
 
-    async def reset(self) -> None:
-        """An aborted restore: cancel the restored rollouts (still waiting at the gate) and forget
-        them (restore only runs on a server without rollouts)."""
-        for r in self.rollouts.values():
-            if r.task is not None:
-                r.task.cancel()
-        self.rollouts = {}
-        self._open_gate()
+    async def on_retire(self, rollout_id: str, attempt_index: int) -> None:
+        self.rollouts.pop((rollout_id, attempt_index), None)
 
-    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
-        assert part is not None and self._busy == 0, "commit runs only while every rollout is parked"
-        rollouts = sorted(self.rollouts.values(), key=lambda r: r.rollout_id)
-        parked = [r for r in rollouts if r.outcome == "running"]
-        part.write_records("continuations", "continuations", [
-            AgentContinuationRoot(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=r.capture_key,
-                                  last_committed_model_call_id=r.last_call,
-                                  resource_state_revisions=({r.resource: r.revisions["notes"]}
-                                                            if r.resource and "notes" in r.revisions else None))
-            for r in parked if r.last_call is not None])  # Gym writes a line only after a first call
-        part.write_records("agent_state", "agent_state", [
-            AgentStateRecord(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=r.capture_key,
-                             status="parked" if r.outcome == "running" else "finished_unacked",
-                             turn_index=len(r.trajectory), state=msgspec.to_builtins(r.state()),
-                             restart_only=r.restart_only)
-            for r in rollouts])
-        return {"parked": len(parked), "finished_unacked": len(rollouts) - len(parked),
-                "restart_only": [r.rollout_id for r in parked if r.restart_only]}
-
-    async def restore(self, snapshot: Snapshot, prefix: str) -> dict[str, Any]:
-        if self.rollouts:
-            raise ControlRefused(409, "wrong_phase",
-                                 f"restore needs an agent server without rollouts; this one has {len(self.rollouts)}")
-        with invalid_records_refused():
-            loaded = _load_rollouts(snapshot, prefix)
-        self._close_gate()  # restored rollouts wait for resume
-        self.rollouts = loaded  # swapped in whole: a failed load changes nothing
-        for r in loaded.values():
-            if r.outcome == "running":
-                r.task = asyncio.get_running_loop().create_task(self._run(r))
-        return {
-            "continuations": [{"rollout_id": r.rollout_id, "attempt_index": r.attempt_index,
-                               "capture_key": r.capture_key, "after_call": r.last_call,
-                               "restart_only": r.restart_only}
-                              for r in loaded.values() if r.outcome == "running"],
-            "finished_unacked": [{"rollout_id": r.rollout_id, "attempt_index": r.attempt_index}
-                                 for r in loaded.values() if r.outcome != "running"],
-        }
-
-    def unknown_rollouts(self, results: list[RolloutRef]) -> list[RolloutRef]:
-        """Refs naming no rollout attempt this server holds (acknowledge and discard check more)."""
-        return [ref for ref in results
-                if (r := self.rollouts.get(ref.rollout_id)) is None or r.attempt_index != ref.attempt_index]
-
-    async def acknowledge(self, results: list[RolloutRef]) -> dict[str, Any]:
-        """Forget finished results; all or nothing, and each result only once."""
-        unfinished = [ref for ref in results if self.rollouts[ref.rollout_id].outcome == "running"]
-        if unfinished:
-            names = ", ".join(f"{r.rollout_id}#{r.attempt_index}" for r in unfinished[:5])
-            raise ControlRefused(404, "unknown_rollout",
-                                 f"no finished result for {names} (still running); nothing acknowledged")
-        ids = sorted({ref.rollout_id for ref in results})
-        for rid in ids:
-            del self.rollouts[rid]
-        return {"acknowledged": ids}
-
-    async def discard(self, rollouts: list[RolloutRef]) -> dict[str, Any]:
-        """Restored continuations that used a restart-only resource start over (same attempt, turn 0)."""
-        bad = [ref for ref in rollouts if self.rollouts[ref.rollout_id].restored is None
-               or self.rollouts[ref.rollout_id].outcome != "running"]
-        if bad:
-            names = ", ".join(f"{r.rollout_id}#{r.attempt_index}" for r in bad[:5])
-            raise ControlRefused(404, "unknown_rollout", f"no restored continuation for {names}; nothing discarded")
-        for ref in rollouts:
-            r = self.rollouts[ref.rollout_id]
-            r.trajectory, r.turn_keys, r.revisions = [], [], {}
-            assert r.restored is not None
-            r.restored = {**r.restored, "discarded": True}
-        return {"discarded": sorted({ref.rollout_id for ref in rollouts})}
+    def forget_acknowledged(self) -> None:
+        """Drop finished rollouts whose result the controller acknowledged (the kit released them)."""
+        for key, r in list(self.rollouts.items()):
+            if r.outcome != "running" and self.executions.get(*key) is None:
+                del self.rollouts[key]
 
     # -- rollouts ------------------------------------------------------------------------------
     def start(self, req: StartRollout) -> Rollout:
+        """``/run`` of (rollout id, attempt index): a new execution, or the retained result again."""
         try:
             check_rollout_id(req.rollout_id)
         except InvalidRecordError as exc:
             raise ApiRefused(400, "invalid_record", str(exc)) from None
-        if not self.admits_work():
-            raise paused("new rollout")
-        if req.rollout_id in self.rollouts:
-            raise ApiRefused(409, "conflict",
-                             f"rollout {req.rollout_id!r} is already here (running or not yet acknowledged)")
-        r = Rollout(rollout_id=req.rollout_id, seed=req.seed, turns=req.turns, tools=list(dict.fromkeys(req.tools)))
-        self.rollouts[r.rollout_id] = r
-        r.task = asyncio.get_running_loop().create_task(self._run(r))
+        key = (req.rollout_id, req.attempt_index)
+        if (known := self.rollouts.get(key)) is not None and known.outcome != "running":
+            self.executions.begin(*key, task=None)  # a retained result answers again; refusals raise
+            return known
+        task = asyncio.get_running_loop().create_task(self._run_attempt(req))
+        try:
+            ex = self.executions.begin(*key, task=task)
+        except ControlError:
+            task.cancel()
+            raise
+        tools = list(dict.fromkeys(req.tools))
+        r = _from_boundary(ex.continuation, req.attempt_index) if ex.continuation is not None else Rollout(
+            rollout_id=req.rollout_id, seed=req.seed, turns=req.turns, tools=tools, attempt_index=req.attempt_index,
+            revisions=dict.fromkeys(tools, 0))
+        r.task = task
+        self.rollouts[key] = r
         return r
 
-    async def _run(self, r: Rollout) -> None:
-        """Turn after turn until done; waits at the gate between turns, and while the model refuses
-        calls lets one rollout (the leader) find out when it accepts them again."""
-        waits = 0
+    async def _run_attempt(self, req: StartRollout) -> None:
+        await asyncio.sleep(0)  # start() registers the execution and the rollout first
+        key = (req.rollout_id, req.attempt_index)
+        r = self.rollouts.get(key)
+        if r is None or r.task is not asyncio.current_task():
+            return
         try:
-            while len(r.trajectory) < r.turns:
-                await self._gate.wait()
-                if not self._gate.is_set():  # closed again before this task ran
-                    continue
-                if not self._model_ok.is_set() and self._leader is not r:
-                    await _first(self._model_ok, self._parking)
-                    continue
-                self._busy += 1  # no await between the gate check and this line
-                self._quiet.clear()
-                try:
-                    outcome = await self._turn(r)
-                finally:
-                    self._busy -= 1
-                    if not self._busy:
-                        self._quiet.set()
-                if outcome == "done" and self._leader is r:  # the model answers again: everyone may call it
-                    self._leader = None
-                    self._model_ok.set()
-                if outcome == "model_refused" and self._model_ok.is_set():
-                    self._model_ok.clear()
-                    self._leader = r
-                waits = 0 if outcome == "done" else waits + 1
-                if outcome != "done":
-                    await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
-            r.outcome = "finished"
-        except RolloutFailed as exc:
-            r.outcome, r.error = "failed", str(exc)
+            await self._run(r)
         except asyncio.CancelledError:
+            self.executions.end(*key, "cancelled")
             raise
-        except Exception as exc:  # a bug must end the rollout visibly, not hang it
-            log.exception("rollout %s crashed", r.rollout_id)
-            r.outcome, r.error = "failed", f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            if not isinstance(exc, RolloutFailed):
+                log.exception("rollout %s crashed", r.capture_key)
+            r.outcome, r.error = "failed", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RolloutFailed) \
+                else str(exc)
+        else:
+            r.outcome = "finished"
         finally:
             if self._leader is r:  # a leader that ends hands the retrying back to everyone
                 self._leader = None
                 self._model_ok.set()
+        if self.executions.get(*key) is None:
+            return
+        try:
+            if r.outcome == "finished" and not r.sessions_ended:
+                await self._end_sessions(r)
+                r.sessions_ended = True
+                # A prepare that came while the sessions ended parks the rollout at a boundary of its
+                # own (no resources dependency left) rather than let it complete: Gym commits no
+                # result the controller has not acknowledged.
+                await self._boundary(r)
+        except asyncio.CancelledError:
+            self.executions.end(*key, "cancelled")
+            raise
+        except ControlError as exc:  # retired while parked: the controller runs the next attempt
+            log.info("%s ended before completing: %s", r.capture_key, exc)
+            return
+        r.receipt = self.executions.complete(*key, r.view())
+
+    async def _end_sessions(self, r: Rollout) -> None:
+        """A finished rollout ends its sessions (Gym's terminal call), so no later checkpoint exports
+        them; retried while a resources server is paused or unreachable."""
+        waits = 0
+        for kind in r.tools:
+            while True:
+                try:
+                    await self._post(f"{self.tool_urls[kind]}/sessions/end", {}, self._tool_calls,
+                                     headers=self._session_headers(r, f"{r.capture_key}/end/{kind}"))
+                    break
+                except NotStarted:
+                    waits += 1
+                    await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
+                except RolloutFailed as exc:  # the result stands; a session left bound is only exported again
+                    log.warning("ending the %s session of %s: %s", kind, r.capture_key, exc)
+                    break
+
+    async def _boundary(self, r: Rollout) -> None:
+        """Record where the rollout stands (once per boundary); park there if a prepare asked (until
+        resume)."""
+        if r.recorded != r.boundary_index:
+            self.executions.record_boundary(r.rollout_id, r.attempt_index, r.boundary())
+            r.recorded = r.boundary_index
+        if self.executions.should_park(r.rollout_id, r.attempt_index):
+            await self.executions.park(r.rollout_id, r.attempt_index)
+
+    async def _run(self, r: Rollout) -> None:
+        """Turn after turn until done, parking at turn ends when asked; while the model refuses calls
+        one rollout (the leader) finds out when it accepts them again."""
+        waits = 0
+        await self._boundary(r)
+        while len(r.trajectory) < r.turns:
+            if self._parking(r):
+                await self._boundary(r)
+                continue
+            if not self._model_ok.is_set() and self._leader is not r:
+                await self._wait_model_or_park(r)
+                continue
+            outcome = await self._turn(r)
+            if outcome == "done" and self._leader is r:  # the model answers again: everyone may call it
+                self._leader = None
+                self._model_ok.set()
+            if outcome == "model_refused" and self._model_ok.is_set():
+                self._model_ok.clear()
+                self._leader = r
+            if outcome == "done":
+                waits = 0
+                await self._boundary(r)
+            else:
+                waits += 1
+                await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
+
+    def _parking(self, r: Rollout) -> bool:
+        return self.executions.should_park(r.rollout_id, r.attempt_index)
+
+    async def _wait_model_or_park(self, r: Rollout) -> None:
+        model_ok = asyncio.ensure_future(self._model_ok.wait())
+        changed = asyncio.ensure_future(self.executions.changed())
+        try:
+            await asyncio.wait({model_ok, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            model_ok.cancel()
+            changed.cancel()
 
     async def _turn(self, r: Rollout) -> Literal["done", "not_started", "model_refused"]:
         """One whole turn, or nothing changed: the model refused the call, or it could not start (no
-        turn slot before the gate closed, or the resource server refused the session reset)."""
-        if not await self._slot_unless_parking(self._turn_slots):
+        turn slot before a park request, or a resources server refused the session reset)."""
+        if not await self._slot_unless_parking(r, self._turn_slots):
             return "not_started"
         try:
             return await self._turn_in_slot(r)
@@ -370,7 +393,10 @@ class AgentParticipant(Participant):
         key = r.capture_key
         if t == 0:
             try:
-                await self._post(f"{self.resource_url}/sessions/{r.rollout_id}/reset", {}, self._tool_calls)
+                for kind in r.tools:
+                    reset = await self._post(f"{self.tool_urls[kind]}/sessions/reset", {}, self._tool_calls,
+                                             headers=self._session_headers(r, f"{key}/reset/{kind}"))
+                    r.revisions[kind] = _revision(reset)  # the revision the reset made
             except NotStarted:
                 return "not_started"
         call = ModelCall(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=key,
@@ -385,7 +411,7 @@ class AgentParticipant(Participant):
         results = []
         for kind in r.tools:
             args = rules.tool_args(kind, answer.generation_token_ids)
-            tool = await self._tool(r, kind, args)
+            tool = await self._tool(r, kind, args, t)
             results.append(ToolResult(tool=kind, args=args,  # type: ignore[arg-type]
                                       result=tool.result, revision=tool.revision))
         r.trajectory.append(Turn(model_call_id=call.model_call_id, generation_token_ids=answer.generation_token_ids,
@@ -393,66 +419,78 @@ class AgentParticipant(Participant):
         r.turn_keys.append(key)
         return "done"
 
-    async def _tool(self, r: Rollout, kind: str, args: dict[str, int]) -> ToolReply:
-        """A tool call inside a turn: retried while the resource server is paused or unreachable."""
+    def _session_headers(self, r: Rollout, request_id: str, expected: int | None = None) -> dict[str, str]:
+        h = {HEADER_ROLLOUT_ID: r.rollout_id, HEADER_ATTEMPT_INDEX: str(r.attempt_index),
+             HEADER_RESOURCE_REQUEST_ID: request_id}
+        if expected is not None:
+            h[HEADER_EXPECTED_REVISION] = str(expected)
+        return h
+
+    async def _tool(self, r: Rollout, kind: str, args: dict[str, int], turn: int) -> ToolReply:
+        """A tool call inside a turn: retried (same request id: a retry replays) while the resources
+        server is paused or unreachable."""
         waits = 0
+        request_id = f"{r.capture_key}/t{turn}/{kind}"
         while True:
-            body = {"session_id": r.rollout_id, "expected_revision": r.revisions.get(kind, 0), "args": args}
+            headers = self._session_headers(r, request_id, r.revisions.get(kind, 0))
             try:
-                resp = await self._post(f"{self.resource_url}/tools/{kind}", body, self._tool_calls)
+                resp = await self._post(f"{self.tool_urls[kind]}/tools/{kind}", {"args": args}, self._tool_calls,
+                                        headers=headers)
             except NotStarted:
                 waits += 1
                 await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
                 continue
             tool = msgspec.json.decode(resp.content, type=ToolReply)
-            if resp.headers.get(REVISION_HEADER) != str(tool.revision):
+            if _revision(resp) != tool.revision:
                 raise RolloutFailed(f"{kind}: revision header {resp.headers.get(REVISION_HEADER)!r} "
                                     f"!= body {tool.revision}")
             r.revisions[kind] = tool.revision
-            r.resource = tool.resource
+            r.resources[kind] = tool.resource
             return tool
 
-    async def _post(self, url: str, body: Any, slots: asyncio.Semaphore) -> httpx.Response:
-        """POST, holding one of ``slots``; NotStarted on 503, 5xx or a transport error, RolloutFailed on
-        any other refusal."""
+    async def _post(self, url: str, body: Any, slots: asyncio.Semaphore,
+                    headers: dict[str, str] | None = None) -> httpx.Response:
+        """POST, holding one of ``slots``; NotStarted on a 'not now' refusal, 5xx or a transport
+        error, RolloutFailed on any other refusal."""
         assert self.http is not None
         await slots.acquire()
         try:
             resp = await self.http.post(url, content=msgspec.json.encode(body),
-                                        headers={"content-type": "application/json"})
+                                        headers={"content-type": "application/json", **(headers or {})})
         except httpx.TransportError as exc:
             log.info("%s unreachable (%s); will retry", url, type(exc).__name__)
             raise NotStarted() from None
         finally:
             slots.release()
-        if resp.status_code >= 500:
+        if resp.status_code >= 500 or (resp.status_code == 409 and error_code(resp) in _RETRY_CODES):
             raise NotStarted()
         if resp.status_code >= 400:
             raise RolloutFailed(f"{url} refused ({resp.status_code}): {resp.text}")
         return resp
 
-    async def _slot_unless_parking(self, slots: asyncio.Semaphore) -> bool:
-        """Take a call slot; False (holding none) if the gate is, or gets, closed first."""
-        if self._parking.is_set():
-            return False
-        slot = asyncio.ensure_future(slots.acquire())
-        parking = asyncio.ensure_future(self._parking.wait())
-        try:
-            await asyncio.wait({slot, parking}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # never keep a slot nobody will release
-            parking.cancel()
+    async def _slot_unless_parking(self, r: Rollout, slots: asyncio.Semaphore) -> bool:
+        """Take a call slot; False (holding none) if a park request comes first."""
+        while not self._parking(r):
+            slot = asyncio.ensure_future(slots.acquire())
+            changed = asyncio.ensure_future(self.executions.changed())
+            try:
+                await asyncio.wait({slot, changed}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # never keep a slot nobody will release
+                changed.cancel()
+                slot.cancel()
+                if slot.done() and not slot.cancelled():
+                    slots.release()
+                raise
+            changed.cancel()
+            if slot.done():
+                if self._parking(r):  # got a slot as the park request came: the turn has not started
+                    slots.release()
+                    return False
+                return True
             slot.cancel()
             if slot.done() and not slot.cancelled():
                 slots.release()
-            raise
-        parking.cancel()
-        if not slot.done():
-            slot.cancel()
-            return False
-        if self._parking.is_set():  # got a slot as the gate closed: the turn has still not started
-            slots.release()
-            return False
-        return True
+        return False
 
     async def close(self) -> None:
         tasks = [r.task for r in self.rollouts.values() if r.task is not None and not r.task.done()]
@@ -463,69 +501,19 @@ class AgentParticipant(Participant):
             await self.http.aclose()
 
 
-async def _first(*events: asyncio.Event) -> None:
-    """Return as soon as one of ``events`` is set."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+def _revision(resp: httpx.Response) -> int:
+    """The session revision a resources server answered (``x-nemo-gym-resource-state-revision``)."""
+    raw = resp.headers.get(REVISION_HEADER, "")
+    if not raw.isdigit():
+        raise RolloutFailed(f"{resp.request.url}: no valid {REVISION_HEADER} header ({raw[:40]!r})")
+    return int(raw)
 
 
-def _load_rollouts(snapshot: Snapshot, prefix: str) -> dict[str, Rollout]:
-    """Rollouts from an agent part: unfinished ones as attempt n+1, finished ones as results.
-
-    Every unfinished rollout's state must agree with its continuation line (same attempt and
-    capture key, and the continuation's last committed call is the last call of the trajectory); a
-    rollout parked before its first model call has no line, as Gym writes none for it.
-    """
-    continuations: dict[str, AgentContinuationRoot] = {}
-    for c in part_records(snapshot, prefix, "continuations"):
-        if c.rollout_id in continuations:
-            raise InvalidRecordError(f"{snapshot.url}: two continuations for rollout {c.rollout_id!r}")
-        continuations[c.rollout_id] = c
-    out: dict[str, Rollout] = {}
-    for rec in part_records(snapshot, prefix, "agent_state"):
-        where = f"{snapshot.url}: agent state of {rec.capture_key!r}"
-        if rec.rollout_id in out:
-            raise InvalidRecordError(f"{where}: rollout listed twice")
-        try:
-            st = msgspec.convert(rec.state, RolloutState)
-        except msgspec.ValidationError as exc:
-            raise InvalidRecordError(f"{where}: state: {exc}") from None
-        if len(st.trajectory) != rec.turn_index or len(st.turn_keys) != rec.turn_index:
-            raise InvalidRecordError(f"{where}: turn_index {rec.turn_index} but {len(st.trajectory)} turns recorded")
-        r = Rollout(rollout_id=rec.rollout_id, seed=st.seed, turns=st.turns, tools=list(st.tools),
-                    attempt_index=rec.attempt_index, trajectory=list(st.trajectory), turn_keys=list(st.turn_keys),
-                    revisions=dict(st.revisions), resource=st.resource, outcome=st.outcome, error=st.error)
-        if rec.status == "parked":
-            c = continuations.pop(rec.rollout_id, None)
-            if c is None and r.last_call is not None:
-                raise InvalidRecordError(
-                    f"{where}: parked after call {r.last_call!r}, but no continuation of attempt "
-                    f"{rec.attempt_index} names it")
-            if c is not None and (c.attempt_index, c.capture_key) != (rec.attempt_index, rec.capture_key):
-                raise InvalidRecordError(
-                    f"{where}: parked, but its continuation is of {c.capture_key!r} (attempt {c.attempt_index})")
-            if c is not None and c.last_committed_model_call_id != r.last_call:
-                raise InvalidRecordError(f"{where}: continuation says last committed call "
-                                         f"{c.last_committed_model_call_id!r}, the trajectory ends at {r.last_call!r}")
-            r.outcome = "running"
-            r.restored = {"from_attempt": rec.attempt_index, "after_call": r.last_call, "restart_only": r.restart_only}
-            r.attempt_index = rec.attempt_index + 1  # run n+1: a new capture key, same trajectory so far
-        elif st.outcome == "running":
-            raise InvalidRecordError(f"{where}: finished_unacked, but its state says it is still running")
-        out[r.rollout_id] = r
-    if continuations:
-        raise InvalidRecordError(f"{snapshot.url}: continuation(s) without agent state: {sorted(continuations)[:5]}")
-    return out
-
-
-def create_app(name: str, token: str, model_url: str, resource_url: str) -> FastAPI:
-    """The agent server's FastAPI app: rollouts, results and the control routes."""
-    participant = AgentParticipant(name, model_url, resource_url)
-    plane = ControlPlane(participant, token)
+def create_app(name: str, token: str, model_url: str, tool_urls: dict[str, str]) -> FastAPI:
+    """The agent server's FastAPI app: rollouts, results and Gym's agent-checkpoint routes.
+    ``tool_urls`` maps each tool kind to the resources server that serves it."""
+    executions = AgentExecutions()
+    participant = RefAgent(name, model_url, tool_urls, executions)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -537,9 +525,9 @@ def create_app(name: str, token: str, model_url: str, resource_url: str) -> Fast
 
     app = FastAPI(title=f"refgym agent server {name}", lifespan=lifespan)
     app.state.participant = participant
-    app.include_router(plane.router())
+    app.include_router(agent_router(participant, executions, Fence(), token))
     install_error_handler(app)
-    health_routes(app, "agent", name)
+    health_routes(app, "responses_api_agents", name)
 
     @app.post("/rollouts", status_code=202)
     async def start(request: Request) -> Response:
@@ -548,18 +536,20 @@ def create_app(name: str, token: str, model_url: str, resource_url: str) -> Fast
 
     @app.get("/rollouts")
     async def rollouts() -> Response:
-        return reply([r.view(full=False) for r in sorted(participant.rollouts.values(), key=lambda r: r.rollout_id)])
+        return reply([r.view(full=False) for _, r in sorted(participant.rollouts.items())])
 
     @app.get("/rollouts/{rollout_id}")
     async def rollout(rollout_id: str) -> Response:
-        r = participant.rollouts.get(rollout_id)
-        if r is None:
+        found = [r for (rid, _), r in sorted(participant.rollouts.items()) if rid == rollout_id]
+        if not found:
             raise ApiRefused(404, "unknown_rollout", f"no rollout {rollout_id!r} here")
-        return reply(r.view())
+        return reply(found[-1].view())
 
     @app.get("/results")
     async def results() -> Response:
-        done = [r for r in participant.rollouts.values() if r.outcome != "running"]
-        return reply([r.view() for r in sorted(done, key=lambda r: r.rollout_id)])
+        """Finished (or failed) results not yet acknowledged, each with its completion receipt."""
+        participant.forget_acknowledged()
+        done = [r for _, r in sorted(participant.rollouts.items()) if r.outcome != "running" and r.receipt is not None]
+        return reply([r.view() | {"completion_receipt": msgspec.to_builtins(r.receipt)} for r in done])
 
     return app

@@ -13,12 +13,15 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from gymkit.bodies import BodyTooLarge, read_body
+from gymkit.control_http import error_response
+from gymkit.fence import ControlError
+from refgym.rules import MAX_PROMPT_TOKENS
+from schemas.control import HEADER_RESOURCE_REVISION
 from schemas.gym_records import CallId, RolloutId
 from schemas.manifest import NonNeg
-from refgym.rules import MAX_PROMPT_TOKENS
 
 MAX_BODY_BYTES = 1 << 20
-REVISION_HEADER = "x-nemo-gym-resource-state-revision"
+REVISION_HEADER = HEADER_RESOURCE_REVISION
 SessionId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")]
 ToolKind = Literal["notes", "sandbox"]
 
@@ -49,10 +52,9 @@ class ModelReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /tools/<kind>``: ``expected_revision`` is the session revision the caller last saw."""
+    """``POST /tools/<kind>``: the tool's arguments. The session (rollout attempt), the request id and
+    the revision the caller last saw travel in Gym's ``x-nemo-gym-*`` headers."""
 
-    session_id: SessionId
-    expected_revision: NonNeg
     args: Annotated[dict[str, int], msgspec.Meta(max_length=16)]
 
 
@@ -65,9 +67,11 @@ class ToolReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StartRollout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /rollouts`` on the agent server: run a new rollout (attempt 0)."""
+    """``POST /rollouts`` on the agent server: Gym's ``/run`` of one rollout attempt (0 for a new
+    rollout, n+1 for the continuation of a restored attempt n)."""
 
     rollout_id: RolloutId
+    attempt_index: NonNeg = 0
     seed: int
     turns: Annotated[int, msgspec.Meta(ge=1, le=64)]
     tools: Annotated[list[ToolKind], msgspec.Meta(min_length=1, max_length=2)] = msgspec.field(
@@ -117,7 +121,11 @@ def install_error_handler(app: FastAPI) -> None:
     async def on_refused(request: Request, exc: ApiRefused) -> Response:
         return reply(exc.body, exc.status, exc.headers)
 
+    async def on_control_error(request: Request, exc: ControlError) -> Response:
+        return error_response(exc)  # Gym's data-plane refusals: 409 {"error": {"code", "detail"}}
+
     app.add_exception_handler(ApiRefused, on_refused)  # type: ignore[arg-type]
+    app.add_exception_handler(ControlError, on_control_error)  # type: ignore[arg-type]
 
 
 def health_routes(app: FastAPI, component: str, name: str) -> None:

@@ -1,9 +1,11 @@
-"""Faults a test can switch on in a reference server (only when it was started with ``--test-faults``).
+"""Faults a test can switch on in a reference resources server (only when started with ``--test-faults``).
 
-``POST /test/faults`` with ``{"prepare_hang_s": S, "prepare_hangs": N, "commit_errors": M}``: the next
-``N`` prepares hang ``S`` seconds (past any short deadline), the next ``M`` commits fail with a 500.
-This is how the coordinator's tests make a real server misbehave over real HTTP; a server started
-without the flag has no such route.
+``POST /test/faults`` with ``{"prepare_hang_s": S, "prepare_hangs": N, "commit_errors": M}``: the
+next ``N`` prepares hang ``S`` seconds once admission has closed, before any session is exported (past any short deadline), the
+next ``M`` ``resources-checkpoint/commit`` calls fail before writing anything (the kit answers 500
+``control_error``, the answer of an unexpected failure, CONTROL.md §1). This is how the coordinator's
+tests make a real server misbehave over real HTTP; a server started without the flag has no such
+route.
 """
 
 from __future__ import annotations
@@ -22,26 +24,31 @@ class FaultPlan(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     commit_errors: int = 0
 
 
-class InjectedFault(RuntimeError):
-    """A commit failed on purpose (the kit answers 500 ``internal``)."""
-
-
 class Faults:
     def __init__(self) -> None:
         self.plan = FaultPlan()
 
     async def before_prepare(self) -> None:
+        """Called by the server at the start of each prepare (admission already closed)."""
         if self.plan.prepare_hangs > 0:
             self.plan.prepare_hangs -= 1
             await asyncio.sleep(self.plan.prepare_hang_s)
 
-    def before_commit(self) -> None:
+    def commit_fails(self) -> bool:
+        """Whether this commit fails on purpose (counts it)."""
         if self.plan.commit_errors > 0:
             self.plan.commit_errors -= 1
-            raise InjectedFault("commit failed on purpose (test fault)")
+            return True
+        return False
 
     def install(self, app: FastAPI) -> None:
+        """``POST /test/faults`` (the server calls :meth:`before_prepare` and :meth:`commit_fails`)."""
+
         @app.post("/test/faults")
         async def set_faults(request: Request) -> Response:
             self.plan = await decode(request, FaultPlan)
             return reply(msgspec.to_builtins(self.plan))
+
+
+class InjectedFault(RuntimeError):
+    """A commit failed on purpose: the kit answers 500 ``control_error`` and the phase stays ``prepared``."""

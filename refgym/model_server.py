@@ -2,14 +2,19 @@
 
 ``POST /v1/responses`` answers one model call with token ids and log probs that depend only on
 (model seed, prompt token ids) and records it in the model ledger (Gym's TokenEntry, stamped with
-Gym's lineage, plus a :class:`ModelLedgerEntry`). While a checkpoint holds the server (pause, commit, restore) new calls
-get 503; pause returns once no call is in flight. ``--slow-ms`` makes every call take that long, so
-tests can catch calls in flight.
+Gym's lineage, plus a :class:`ModelLedgerEntry`). Every call passes Gym's data-plane admission
+(:class:`gymkit.model_control.ModelAdmission`): while a checkpoint holds the server it is refused
+with 409 ``checkpoint_parked`` (``retry-after: 1``), and a call of an attempt a restore or
+``abort_inflight`` ended with 409 ``stale_attempt``. ``--slow-ms`` makes every call take that long,
+so tests can catch calls in flight.
 
-Commit (after the agents) writes the ledger and token rows of exactly the calls the agents'
-continuation indexes depend on: for each parked rollout, its calls up to its last committed model
-call, following ``parent_call_id`` across earlier attempts. Restore loads them back and closes the
-old runs: a restored rollout continues as attempt n+1, so new calls of attempts <= n are refused.
+Commit (after the agents) writes Gym's ledger folder ``model-ledger/<name>/`` into
+``checkpoint_dir`` for exactly the calls the agents' continuation indexes depend on: for each root,
+its calls up to its last committed model call, following ``parent_call_id`` across earlier
+attempts, one ``<capture_key>.lineage.jsonl`` per capture key (rows: ``{"entry", "token"}``, the
+ledger entry and Gym's TokenEntry), ``storage-references.jsonl`` and ``manifest.json``. Restore
+loads them back; the kit fences the roots' source attempts, so a restored rollout continues as
+attempt n+1.
 """
 
 from __future__ import annotations
@@ -19,36 +24,38 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
-import pyarrow as pa
 from fastapi import FastAPI, Request, Response
 
-from gymkit import CommitContext, ControlPlane, ControlRefused, Participant, part_prefix
+from gymkit.checkpoint_dir import (
+    continuation_roots_sha256,
+    jsonl_bytes,
+    manifest_digest,
+    read_jsonl,
+    read_ledger_dir,
+    write_ledger_dir,
+)
+from gymkit.fence import ControlError, Fence
+from gymkit.model_control import ModelAdmission, ModelCommitContext, ModelParticipant, ModelRestoreContext, model_router
 from gymkit.token_store import TokenStore
 from refgym import rules
-from refgym.api import (
-    ApiRefused,
-    ModelCall,
-    ModelReply,
-    decode,
-    health_routes,
-    install_error_handler,
-    paused,
-    reply,
+from refgym.api import ApiRefused, ModelCall, ModelReply, decode, health_routes, install_error_handler, reply
+from schemas.control import (
+    FEATURE_STORAGE_REFERENCE_INDEX,
+    AttemptRef,
+    Capabilities,
+    ModelCommitResponse,
+    ModelRestoreResponse,
+    MultiProcess,
 )
-from refgym.inflight import InFlight
-from refgym.parts import invalid_records_refused, part_files, part_records
-from schemas.control import Capabilities
-from schemas.errors import CorruptSnapshotError, InvalidRecordError
-from schemas.gym_records import AgentContinuationRoot, ModelLedgerEntry, TokenIndexEntry
+from schemas.errors import InvalidRecordError, SnapshotError
+from schemas.gym_files import AGENT_DIR, MANIFEST_NAME, AttemptEntry, ExternalStorageReference, ledger_dir
+from schemas.gym_records import AgentContinuationRoot, ModelLedgerEntry
 from schemas.identity import capture_key
 from schemas.token_entry import TOKEN_ENTRY_SCHEMA_VERSION, token_digest
-from snapformat import read_part_records
-from snapformat.draft import PartWriter
-from snapformat.reader import Snapshot
-from snapformat.token_rows import batch_entries, entries_batch
 
 log = logging.getLogger(__name__)
 
@@ -71,91 +78,138 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
                           parent_resolution=t["parent_resolution"], replayed=replayed)
 
 
-class ModelParticipant(Participant):
-    """The model server's state (its ledger) and its side of the checkpoint protocol."""
+class RefModel(ModelParticipant):
+    """The model server's state (its ledger) and its side of Gym's checkpoint protocol."""
 
-    def __init__(self, name: str, seed: int, slow_ms: int = 0, commit_delay_ms: int = 0,
+    def __init__(self, name: str, seed: int, admission: ModelAdmission, slow_ms: int = 0, commit_delay_ms: int = 0,
                  token_store: TokenStore | None = None) -> None:
+        super().__init__(admission)
         self.name = name
         self.seed = seed
         self.model = f"refgym-policy-seed{seed}"
         self.slow_s = slow_ms / 1000
         self.commit_delay_s = commit_delay_ms / 1000  # test knob: hold a commit open to kill it there
         self.calls: dict[tuple[str, str], Call] = {}  # (capture_key, model_call_id) -> call
-        self.closed_attempts: dict[str, int] = {}  # rollout_id -> highest attempt closed by restore
-        self._calls = InFlight()
         self.token_store = token_store  # where each call's TokenEntry is captured, as Gym's TokenSink
 
     # -- the protocol ------------------------------------------------------------------------
-    def capabilities(self) -> Capabilities:
-        return Capabilities(component="model", name=self.name, checkpoint_mode="export_restore")
+    def declaration(self) -> Capabilities:
+        return Capabilities(component="responses_api_models", name=self.name,
+                            admission_states=["accepting", "draining", "paused"], checkpoint_mode="export_restore",
+                            concurrency_contract="transactional_parallel",
+                            multi_process=MultiProcess(mode="single_worker"), instance_role="policy",
+                            features=[FEATURE_STORAGE_REFERENCE_INDEX])
 
-    def in_flight(self) -> int:
-        return self._calls.count
-
-    async def prepare(self, deadline: float) -> None:
-        """Pause: new calls are already refused (the kit closed admission); wait for 0 in flight."""
-        await self._calls.quiet()
-
-    async def resume(self) -> None:
-        """Nothing to undo: the kit opens admission again once the checkpoint has ended."""
-
-    async def reset(self) -> None:
-        """An aborted restore: forget the loaded ledger (restore only runs on an empty server)."""
-        self.calls, self.closed_attempts = {}, {}
-
-    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
-        assert part is not None
-        continuations = self._continuations(context)
-        calls = self._committed_calls(continuations)
-        tokens_path = f"{part.prefix}/{TOKENS_FILE}"
-        if calls:
-            part.write_rows(TOKENS_FILE, "token_capture_rows", entries_batch([c.token for c in calls], tokens_path))
-        else:
-            part.write_rows(TOKENS_FILE, "token_capture_rows", [])
+    async def commit(self, ctx: ModelCommitContext) -> ModelCommitResponse:
+        """The ledger of exactly the calls the agents' continuation roots depend on: per root, its
+        lineage up to its last committed call (across earlier attempts), one lineage file per
+        capture key, and one storage reference per root (its last call's token-capture record)."""
+        roots = self._roots(ctx)
+        tombstoned = {(t.rollout_id, t.attempt_index) for t in self.admission.tombstones()}
+        rooted = {(r.rollout_id, r.attempt_index) for r in roots}
+        seen = {(c.entry.rollout_id, c.entry.attempt_index) for c in self.calls.values()}
+        folder = Path(ctx.checkpoint_dir) / ledger_dir(self.name)
+        if (folder / MANIFEST_NAME).exists():  # a commit that finds its own manifest writes nothing
+            return self._committed(folder, ctx.checkpoint_id, roots, tombstoned, rooted, len(seen & tombstoned))
+        chains = [self._chain(root) for root in roots]
+        chosen: dict[tuple[str, str], Call] = {}
+        for chain in chains:
+            for call in chain:
+                chosen[(call.entry.capture_key, call.entry.model_call_id)] = call
+        lineages: dict[str, list[Call]] = {}
+        for call in sorted(chosen.values(), key=lambda c: (c.entry.rollout_id, c.entry.attempt_index,
+                                                           c.entry.turn_index)):
+            lineages.setdefault(call.entry.capture_key, []).append(call)
         if self.commit_delay_s:
             await asyncio.sleep(self.commit_delay_s)
-        part.write_records("ledger", "model_ledger", [c.entry for c in calls])
-        part.write_records("token_index", "token_index", [
-            TokenIndexEntry(capture_key=c.entry.capture_key, model_call_id=c.entry.model_call_id, file=tokens_path,
-                            batch=0, row_start=i, row_count=1) for i, c in enumerate(calls)])
-        return {"calls": len(calls), "rollouts": len({c.entry.rollout_id for c in calls})}
+        manifest, digest = write_ledger_dir(
+            ctx.checkpoint_dir, ctx.checkpoint_id, self.name,
+            lineages={key: jsonl_bytes(calls) for key, calls in lineages.items()},
+            storage_references=sorted((ExternalStorageReference(
+                capture_key=r.capture_key, boundary_model_call_id=r.last_committed_model_call_id,
+                key=f"{r.capture_key}/{r.last_committed_model_call_id}") for r in roots), key=lambda e: e.key),
+            roots=roots, excluded_inactive=len(seen - rooted - tombstoned),
+            tombstones=[AttemptEntry(rollout_id=r, attempt_index=n) for r, n in sorted(tombstoned)],
+            source_attempts=[AttemptEntry(rollout_id=r, attempt_index=n) for r, n in sorted(rooted)])
+        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=len(chosen),
+                                   excluded_tombstoned=len(seen & tombstoned), excluded_inactive=manifest.excluded_inactive,
+                                   manifest_digest=digest, storage_reference_index=manifest.storage_reference_index)
 
-    async def restore(self, snapshot: Snapshot, prefix: str) -> dict[str, Any]:
+    def _committed(self, folder: Path, checkpoint_id: str, roots: list[AgentContinuationRoot],
+                   tombstoned: set[tuple[str, int]], rooted: set[tuple[str, int]],
+                   excluded_tombstoned: int) -> ModelCommitResponse:
+        """The ledger folder a commit found already written: validated against its bytes, and its
+        checkpoint id, tombstones, source attempts and ``continuation_roots_sha256`` must be what this
+        commit would write (else ``ledger_mismatch``); answered with the digest on disk."""
+        try:
+            manifest, _refs, _lineage = read_ledger_dir(folder)
+            digest = manifest_digest(folder)
+        except (SnapshotError, OSError) as exc:
+            raise ControlError("ledger_mismatch", f"{folder / MANIFEST_NAME}: {type(exc).__name__}: {exc}") from None
+        differs = [what for what, on_disk, now in (
+            ("checkpoint_id", manifest.checkpoint_id, checkpoint_id),
+            ("tombstones", [(t.rollout_id, t.attempt_index) for t in manifest.tombstones], sorted(tombstoned)),
+            ("source_attempts", [(t.rollout_id, t.attempt_index) for t in manifest.source_attempts], sorted(rooted)),
+            ("continuation_roots_sha256", manifest.continuation_roots_sha256, continuation_roots_sha256(roots)),
+        ) if on_disk != now]
+        if differs:
+            raise ControlError("ledger_mismatch", f"{folder / MANIFEST_NAME} was committed with other "
+                                                  f"{', '.join(differs)} than this commit would write")
+        assert digest is not None
+        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=sum(r.rows for r in manifest.rollouts.values()),
+                                   excluded_tombstoned=excluded_tombstoned, excluded_inactive=manifest.excluded_inactive,
+                                   manifest_digest=digest, storage_reference_index=manifest.storage_reference_index)
+
+    async def restore(self, ctx: ModelRestoreContext) -> ModelRestoreResponse:
+        """Load the ledger back; the saved tombstones and the roots' source attempts are fenced by
+        the kit (a restored rollout continues as attempt n+1)."""
         if self.calls:
-            raise ControlRefused(409, "wrong_phase",
-                                 f"restore needs an empty model ledger; this one holds {len(self.calls)} calls")
-        with invalid_records_refused():
-            calls = self._load(snapshot, prefix)
-        closed: dict[str, int] = {}
-        for c in calls.values():
-            closed[c.entry.rollout_id] = max(closed.get(c.entry.rollout_id, 0), c.entry.attempt_index)
-        self.calls, self.closed_attempts = calls, closed  # swapped in whole: a failed load changes nothing
-        return {"calls": len(calls), "closed_runs": sorted(capture_key(r, a) for r, a in closed.items())}
+            raise ControlError("ledger_mismatch",
+                               f"restore needs an empty model ledger; this one holds {len(self.calls)} calls")
+        try:
+            manifest, _refs, lineage = read_ledger_dir(Path(ctx.checkpoint_dir) / ledger_dir(self.name))
+            calls: dict[tuple[str, str], Call] = {}
+            for key, path in lineage.items():
+                for raw in path.read_bytes().splitlines():
+                    if not raw.strip():
+                        continue
+                    call = msgspec.json.decode(raw, type=Call)
+                    if call.entry.capture_key != key:
+                        raise InvalidRecordError(f"{path}: a call of {call.entry.capture_key!r} in the lineage of {key!r}")
+                    calls[(key, call.entry.model_call_id)] = call
+        except (SnapshotError, OSError, msgspec.DecodeError) as exc:
+            raise ControlError("ledger_mismatch", f"{ctx.checkpoint_dir}: {type(exc).__name__}: {exc}") from None
+        self.calls = calls  # swapped in whole: a failed load changes nothing
+        return ModelRestoreResponse(
+            rollouts=len(manifest.rollouts), rows=len(calls), checkpoint_id=manifest.checkpoint_id,
+            tombstones=[AttemptRef(rollout_id=t.rollout_id, attempt_index=t.attempt_index) for t in manifest.tombstones],
+            source_attempts=[AttemptRef(rollout_id=t.rollout_id, attempt_index=t.attempt_index)
+                             for t in manifest.source_attempts],
+            storage_reference_index=manifest.storage_reference_index)
 
-    # -- commit and restore helpers -----------------------------------------------------------
-    def _continuations(self, context: CommitContext) -> list[AgentContinuationRoot]:
-        """The continuation lines of every agent part whose receipt the commit was given."""
-        out: list[AgentContinuationRoot] = []
-        with invalid_records_refused():
-            for receipt in context.continuations:
-                if not receipt.prefix.startswith(part_prefix("agent", "")):
-                    raise ControlRefused(400, "bad_request", f"continuations: {receipt.prefix!r} is not an agent part")
-                out.extend(read_part_records(context.draft_url, receipt, "continuations"))
-        return out
+    # -- commit helpers ---------------------------------------------------------------------------
+    def _roots(self, ctx: ModelCommitContext) -> list[AgentContinuationRoot]:
+        """The continuation roots of every agent index the commit was given (digests checked)."""
+        roots: list[AgentContinuationRoot] = []
+        for ref in ctx.continuation_indexes:
+            if not ref.relative_path.startswith(f"{AGENT_DIR}/"):
+                raise ControlError("ledger_mismatch", f"continuation index {ref.relative_path!r} is not an agent's")
+            try:
+                roots += read_jsonl(ctx.checkpoint_dir, ref, AgentContinuationRoot)
+            except (SnapshotError, OSError) as exc:
+                raise ControlError("ledger_mismatch", f"continuation index {ref.relative_path!r}: {exc}") from None
+        return roots
 
-    def _committed_calls(self, continuations: list[AgentContinuationRoot]) -> list[Call]:
-        """Each parked rollout's lineage up to its last committed call, in a stable order."""
-        chosen: dict[tuple[str, str], Call] = {}
-        for c in continuations:
-            last = self._find(c.rollout_id, c.last_committed_model_call_id, c.attempt_index)
-            if last is None:
-                raise ControlRefused(409, "invalid_record",
-                                     f"continuation of {c.capture_key!r} names model call "
-                                     f"{c.last_committed_model_call_id!r}, which this model server never served")
-            for call in self._lineage(last):
-                chosen[(call.entry.capture_key, call.entry.model_call_id)] = call
-        return sorted(chosen.values(), key=lambda c: (c.entry.rollout_id, c.entry.turn_index, c.entry.attempt_index))
+    def _chain(self, root: AgentContinuationRoot) -> list[Call]:
+        """The root's last committed call and its ancestors; a root the ledger cannot back (never
+        served, or its attempt tombstoned) is Gym's ``ledger_mismatch``."""
+        if self.admission.tombstoned(root.rollout_id, root.attempt_index):
+            raise ControlError("ledger_mismatch", f"continuation root {root.capture_key!r} is tombstoned")
+        last = self._find(root.rollout_id, root.last_committed_model_call_id, root.attempt_index)
+        if last is None:
+            raise ControlError("ledger_mismatch", f"continuation of {root.capture_key!r} names model call "
+                               f"{root.last_committed_model_call_id!r}, which this model server never served")
+        return self._lineage(last)
 
     def _lineage(self, last: Call) -> list[Call]:
         """``last`` and its ancestors through ``parent_call_id`` (an unknown parent ends the walk)."""
@@ -175,31 +229,6 @@ class ModelParticipant(Participant):
                 return found
         return None
 
-    def _load(self, snapshot: Snapshot, prefix: str) -> dict[tuple[str, str], Call]:
-        """Ledger entries joined with their token rows through the token index (all checked)."""
-        index = {(e.capture_key, e.model_call_id): e for e in part_records(snapshot, prefix, "token_index")}
-        readers = {f.path: snapshot.open_rows(f) for f in part_files(snapshot, prefix, "token_capture_rows")}
-        calls: dict[tuple[str, str], Call] = {}
-        for e in part_records(snapshot, prefix, "model_ledger"):
-            key = (e.capture_key, e.model_call_id)
-            ix = index.get(key)
-            if ix is None:
-                raise InvalidRecordError(
-                    f"{snapshot.url}: ledger call {e.model_call_id!r} of {e.capture_key!r} has no token index entry")
-            reader = readers.get(ix.file)
-            if reader is None:
-                raise InvalidRecordError(f"{snapshot.url}: token index names {ix.file!r}, not a token part of {prefix}")
-            where = f"{snapshot.url}: {ix.file}#{ix.batch}:{ix.row_start}"
-            try:
-                tokens = batch_entries(reader.get_batch(ix.batch).slice(ix.row_start, ix.row_count), where)
-            except (IndexError, pa.ArrowInvalid) as exc:
-                raise CorruptSnapshotError(
-                    f"{snapshot.url}: token index entry for {key} is out of range: {exc}") from None
-            if len(tokens) != 1 or (tokens[0]["rollout_id"], tokens[0]["model_call_id"]) != key:
-                raise InvalidRecordError(f"{where}: token rows are not call {key}")
-            calls[key] = Call(entry=e, token=tokens[0])
-        return calls
-
     # -- the model ------------------------------------------------------------------------------
     async def call(self, req: ModelCall) -> ModelReply:
         """Answer one model call (or replay its recorded answer) and record it in the ledger."""
@@ -212,15 +241,11 @@ class ModelParticipant(Participant):
                              f"{req.attempt_index} of {req.rollout_id!r} has key {key!r}")
         if any(t < 0 or t >= rules.VOCAB for t in req.prompt_token_ids):
             raise ApiRefused(400, "bad_request", f"prompt_token_ids: every id must be in [0, {rules.VOCAB})")
-        if not self.admits_work():
-            raise paused("model call")
         if (known := self.calls.get((key, req.model_call_id))) is not None:
             return self._replay(known, req)
-        closed = self.closed_attempts.get(req.rollout_id)
-        if closed is not None and req.attempt_index <= closed:
-            raise ApiRefused(409, "run_closed", f"run {key!r} was closed by a restore; {req.rollout_id!r} continues "
-                             f"as attempt {closed + 1} or later")
-        with self._calls.one():
+        # Admission refuses while a checkpoint holds the server (409 checkpoint_parked) and for an
+        # attempt a restore or abort_inflight ended (409 stale_attempt): Gym's data-plane answers.
+        async with self.admission.call(req.rollout_id, req.attempt_index, "responses"):
             if self.slow_s:
                 await asyncio.sleep(self.slow_s)
             if (known := self.calls.get((key, req.model_call_id))) is not None:
@@ -302,8 +327,9 @@ def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_de
     there through :class:`gymkit.TokenStore` before the call is answered.
     """
     store = TokenStore(token_store) if token_store else None
-    participant = ModelParticipant(name, seed, slow_ms, commit_delay_ms, token_store=store)
-    plane = ControlPlane(participant, token)
+    admission = ModelAdmission()
+    participant = RefModel(name, seed, admission, slow_ms, commit_delay_ms, token_store=store)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -312,7 +338,7 @@ def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_de
 
     app = FastAPI(title=f"refgym model server {name}", lifespan=lifespan)
     app.state.participant = participant
-    app.include_router(plane.router())
+    app.include_router(model_router(participant, admission, Fence(), token))
     install_error_handler(app)
     health_routes(app, "model", name)
 

@@ -1,200 +1,212 @@
-"""The reference resource server: per-session tool state with state revisions.
+"""The reference resources server: one tool kind per server, per-attempt sessions with state revisions.
 
-Two tool kinds, one session of each per session id (the agent uses the rollout id):
+A deployment runs two of them (Gym's topology for restart-only state):
 
-* ``notes`` keeps a list of values; its state is exported at commit and loaded at restore.
-* ``sandbox`` keeps an accumulator that cannot be exported (a stand-in for a live process). It is
-  listed in ``restart_only_resources``: a rollout that used it cannot continue after a restore and
-  starts over instead.
+* ``notes`` (``checkpoint_mode`` ``export_restore``) keeps a list of values per session; its
+  sessions are exported at prepare, written at commit and loaded at restore;
+* ``sandbox`` (``restart_only``) keeps an accumulator that cannot be exported (a stand-in for a
+  live process). It takes no part in checkpoints: a rollout whose continuation depends on it is
+  discarded after a restore and starts over.
 
-Every tool call names the revision the caller last saw (``expected_revision``); a mismatch is a 409,
-so a rollout continuing after a restore finds out at its first call if the restored session is not
-the state it left. Each successful call bumps the revision and returns it in the
-``x-nemo-gym-resource-state-revision`` header. Prepare freezes the sessions (calls get 503) once the
-calls in flight have finished.
+Sessions are Gym's (:class:`gymkit.resources_control.ResourceSessions`): one per rollout attempt,
+named by the ``x-nemo-gym-rollout-id`` and ``x-nemo-gym-attempt-index`` headers.
+``POST /sessions/reset`` binds (starts) the attempt's session; ``POST /tools/<kind>`` is one
+mutation, with a request id (``x-nemo-gym-resource-request-id``: a retry replays its receipt) and
+the revision the caller last saw (``x-nemo-gym-expected-resource-state-revision``); the answer
+carries the new revision in ``x-nemo-gym-resource-state-revision``. Refusals are Gym's data-plane
+409 ``{"error": {"code", "message"}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from gymkit import CommitContext, ControlPlane, ControlRefused, Participant
-from refgym import rules
-from refgym.api import (
-    REVISION_HEADER,
-    ApiRefused,
-    SessionId,
-    ToolCall,
-    ToolReply,
-    decode,
-    health_routes,
-    install_error_handler,
-    paused,
-    reply,
+from gymkit.fence import ControlError, Fence
+from gymkit.resources_control import (
+    ResourceSessions,
+    ResourcesParticipant,
+    data_plane_response,
+    input_digest,
+    resources_router,
 )
-from refgym.faults import Faults
-from refgym.inflight import InFlight
-from refgym.parts import invalid_records_refused, part_records
-from schemas.control import Capabilities
+from refgym import rules
+from refgym.api import ApiRefused, ToolCall, ToolReply, health_routes, install_error_handler, reply
+from refgym.faults import Faults, InjectedFault
+from schemas.control import (
+    HEADER_ATTEMPT_INDEX,
+    HEADER_EXPECTED_REVISION,
+    HEADER_RESOURCE_REQUEST_ID,
+    HEADER_ROLLOUT_ID,
+    Capabilities,
+    CheckpointMode,
+    MultiProcess,
+)
 from schemas.errors import InvalidRecordError
-from schemas.gym_records import SessionStateRecord
+from schemas.gym_files import ResourceSnapshot
 from schemas.identity import check_rollout_id
-from snapformat.draft import PartWriter
-from snapformat.reader import Snapshot
 
 _ARGS = {"notes": {"value"}, "sandbox": {"code"}}
+MAX_BODY_BYTES = 1 << 20
 
 
-class Session(msgspec.Struct, kw_only=True):
-    state: dict[str, Any]
-    revision: int = 0
+class RefResources(ResourcesParticipant):
+    """One tool kind's sessions, by rollout attempt, and its side of the resources protocol."""
 
-
-class ResourceParticipant(Participant):
-    """The resource server's sessions and its side of the checkpoint protocol."""
-
-    def __init__(self, name: str, slow_ms: int = 0) -> None:
+    def __init__(self, name: str, kind: str, sessions: ResourceSessions, slow_ms: int = 0) -> None:
+        if kind not in rules.TOOL_KINDS:
+            raise ValueError(f"tool kind {kind!r} is not one of {rules.TOOL_KINDS}")
         self.name = name
+        self.kind = kind
+        self.mode: CheckpointMode = "restart_only" if kind in rules.RESTART_ONLY_KINDS else "export_restore"
+        self.sessions = sessions
         self.slow_s = slow_ms / 1000
         self.faults = Faults()
-        self.sessions: dict[tuple[str, str], Session] = {}  # (tool kind, session id) -> session
-        self._calls = InFlight()
+        self.states: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(component="resource", name=self.name, checkpoint_mode="export_restore",
-                            restart_only_resources=list(rules.RESTART_ONLY_KINDS))
+    def declaration(self) -> Capabilities:
+        return Capabilities(component="resources_servers", name=self.name, checkpoint_mode=self.mode,
+                            concurrency_contract="serialized_per_session",
+                            multi_process=MultiProcess(mode="single_worker"))
 
-    def in_flight(self) -> int:
-        return self._calls.count
+    async def export_state(self, rollout_id: str, attempt_index: int) -> Any:
+        return self.states.get((rollout_id, attempt_index), rules.empty_state(self.kind))
 
-    async def prepare(self, deadline: float) -> None:
-        """Freeze: new calls are already refused (the kit closed admission); wait for the admitted ones."""
+    async def before_prepare(self) -> None:
         await self.faults.before_prepare()
-        await self._calls.quiet()
 
-    async def resume(self) -> None:
-        """Nothing to undo: the kit opens admission again once the checkpoint has ended."""
+    async def before_commit(self) -> None:
+        if self.faults.commit_fails():
+            raise InjectedFault("commit failed on purpose (test fault)")
 
-    async def reset(self) -> None:
-        """An aborted restore: forget the loaded sessions (restore only runs on an empty server)."""
-        self.sessions = {}
+    async def import_states(self, snapshots: list[ResourceSnapshot]) -> None:
+        loaded: dict[tuple[str, int], dict[str, Any]] = {}
+        for snap in snapshots:
+            try:
+                loaded[(snap.rollout_id, snap.attempt_index)] = msgspec.convert(snap.state, dict[str, list[int]])
+            except msgspec.ValidationError as exc:
+                raise InvalidRecordError(f"session of {snap.rollout_id!r} attempt {snap.attempt_index}: state: "
+                                         f"{exc}") from None
+        self.states = loaded  # swapped in whole: a failed load changes nothing
 
-    async def commit(self, part: PartWriter | None, context: CommitContext) -> dict[str, Any]:
-        assert part is not None
-        self.faults.before_commit()
-        records = [
-            SessionStateRecord(session_id=sid, resource=self.name, tool=kind, state_revision=s.revision,
-                               rollout_id=_rollout_of(sid), state=s.state)
-            for (kind, sid), s in sorted(self.sessions.items()) if kind not in rules.RESTART_ONLY_KINDS
-        ]
-        part.write_records("sessions", "session_state", records)
-        lost = sum(1 for kind, _ in self.sessions if kind in rules.RESTART_ONLY_KINDS)
-        return {"sessions": len(records), "restart_only_sessions_not_exported": lost}
+    async def retire_state(self, rollout_id: str, attempt_index: int) -> None:
+        self.states.pop((rollout_id, attempt_index), None)
 
-    async def restore(self, snapshot: Snapshot, prefix: str) -> dict[str, Any]:
-        if self.sessions:
-            raise ControlRefused(409, "wrong_phase",
-                                 f"restore needs an empty resource server; this one has {len(self.sessions)} sessions")
-        loaded: dict[tuple[str, str], Session] = {}
-        with invalid_records_refused():
-            for rec in part_records(snapshot, prefix, "session_state"):
-                kind = rec.tool if rec.tool is not None else rec.resource  # older records: the tool in resource
-                if rec.tool is not None and rec.resource != self.name:
-                    raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r} belongs to resource server "
-                                             f"{rec.resource!r}, not {self.name!r}")
-                if kind not in rules.TOOL_KINDS or kind in rules.RESTART_ONLY_KINDS:
-                    raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r} is of kind {kind!r}, "
-                                             "which this server cannot restore")
-                try:
-                    state = msgspec.convert(rec.state, dict[str, list[int]])
-                except msgspec.ValidationError as exc:
-                    raise InvalidRecordError(f"{snapshot.url}: session {rec.session_id!r}: state: {exc}") from None
-                loaded[(kind, rec.session_id)] = Session(state=dict(state), revision=rec.state_revision)
-        self.sessions = loaded  # swapped in whole: a failed load changes nothing
-        return {"sessions": len(loaded)}
-
-    # -- the tools -----------------------------------------------------------------------------
-    def _admit(self, what: str) -> None:
-        if not self.admits_work():
-            raise paused(what)
-
-    async def tool(self, kind: str, req: ToolCall) -> ToolReply:
-        """One tool call on one session, checked against the revision the caller last saw."""
-        if set(req.args) != _ARGS[kind]:
-            raise ApiRefused(400, "bad_request",
-                             f"args of {kind} must be exactly {sorted(_ARGS[kind])}, got {sorted(req.args)}")
-        self._admit(f"{kind} call")
-        with self._calls.one():
-            if self.slow_s:
-                await asyncio.sleep(self.slow_s)
-            session = self.sessions.get((kind, req.session_id)) or Session(state=rules.empty_state(kind))
-            if session.revision != req.expected_revision:
-                lost = " (restart-only state does not survive a restore)" if kind in rules.RESTART_ONLY_KINDS else ""
-                raise ApiRefused(409, "revision_mismatch",
-                                 f"{kind} session {req.session_id!r} is at revision {session.revision}, "
-                                 f"the caller expected {req.expected_revision}{lost}",
-                                 headers={REVISION_HEADER: str(session.revision)})
-            state, result = rules.apply_tool(kind, session.state, req.args)
-            session = Session(state=state, revision=session.revision + 1)
-            self.sessions[(kind, req.session_id)] = session
-        return ToolReply(resource=self.name, tool=kind, session_id=req.session_id,  # type: ignore[arg-type]
-                         revision=session.revision, result=result)
-
-    def reset_session(self, session_id: str) -> None:
-        """Start a session over (every kind back to revision 0): a rollout starting from scratch."""
-        self._admit("session reset")
-        for kind in rules.TOOL_KINDS:
-            self.sessions.pop((kind, session_id), None)
+    # -- the data plane ------------------------------------------------------------------------
+    async def call(self, request: Request, kind: str) -> Response:
+        """One session call (``kind`` ``start`` for a reset, ``terminal`` for the end of the rollout's
+        session, else ``mutation``), with Gym's checks."""
+        rid, attempt = _identity(request)
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiRefused(413, "too_large", f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+        request_id = request.headers.get(HEADER_RESOURCE_REQUEST_ID)
+        expected = _int_header(request, HEADER_EXPECTED_REVISION)
+        digest = input_digest(request.method, request.url.path, request.url.query, body,
+                              request.headers.get("content-type"))
+        # Decoded before the session is entered: a malformed body is refused (400) without touching the
+        # session (raised inside it, the kit would mark the session's outcome uncertain).
+        call = _decode_tool(body) if kind == "mutation" else None
+        try:
+            async with self.sessions.mutation(rid, attempt, kind=kind, request_id=request_id,  # type: ignore[arg-type]
+                                              expected_revision=expected, digest=digest) as m:
+                if m.replay is not None:  # a retried request id: its recorded answer, nothing runs
+                    return Response(base64.b64decode(m.replay.body_base64), status_code=m.replay.status,
+                                    headers=dict(m.replay.headers), media_type="application/json")
+                if self.slow_s:
+                    await asyncio.sleep(self.slow_s)
+                if kind == "start":
+                    self.states[(rid, attempt)] = rules.empty_state(self.kind)
+                    # A start is a successful non-read call: one revision more than the session had (1 if new).
+                    out = msgspec.json.encode({"rollout_id": rid, "attempt_index": attempt,
+                                               "revision": (m.revision or 0) + 1})
+                    return Response(out, headers=dict(m.respond(200, out)), media_type="application/json")
+                if kind == "terminal":  # the rollout is done with its session: forget it (its receipts stay)
+                    self.states.pop((rid, attempt), None)
+                    out = msgspec.json.encode({"rollout_id": rid, "attempt_index": attempt, "ended": True})
+                    return Response(out, headers=dict(m.respond(200, out)), media_type="application/json")
+                assert call is not None
+                if set(call.args) != _ARGS[self.kind]:
+                    out = msgspec.json.encode({"error": {"code": "bad_request", "message": (
+                        f"args of {self.kind} must be exactly {sorted(_ARGS[self.kind])}, got {sorted(call.args)}")}})
+                    return Response(out, status_code=400, headers=dict(m.respond(400, out)),
+                                    media_type="application/json")
+                state = self.states.get((rid, attempt), rules.empty_state(self.kind))
+                state, result = rules.apply_tool(self.kind, state, call.args)
+                self.states[(rid, attempt)] = state
+                revision = (m.revision or 0) + 1
+                out = msgspec.json.encode(ToolReply(resource=self.name, tool=self.kind, session_id=rid,  # type: ignore[arg-type]
+                                                    revision=revision, result=result))
+                return Response(out, headers=dict(m.respond(200, out)), media_type="application/json")
+        except ControlError as exc:
+            return data_plane_response(exc)
 
     def sessions_view(self) -> dict[str, dict[str, Any]]:
-        view: dict[str, dict[str, Any]] = {kind: {} for kind in rules.TOOL_KINDS}
-        for (kind, sid), s in sorted(self.sessions.items()):
-            view[kind][sid] = {"revision": s.revision, "state": s.state}
-        return view
+        return {f"{rid}.a{n}": {"revision": self.sessions.revision(rid, n), "state": s}
+                for (rid, n), s in sorted(self.states.items()) if self.sessions.is_bound(rid, n)}
 
 
-def _rollout_of(session_id: str) -> str | None:
-    """The agent names sessions after rollouts; anything else is recorded without a rollout id."""
+def _identity(request: Request) -> tuple[str, int]:
+    rid = request.headers.get(HEADER_ROLLOUT_ID)
+    attempt = _int_header(request, HEADER_ATTEMPT_INDEX)
+    if rid is None or attempt is None:
+        raise ApiRefused(400, "bad_request", f"session calls need the {HEADER_ROLLOUT_ID} and "
+                                             f"{HEADER_ATTEMPT_INDEX} headers")
     try:
-        return check_rollout_id(session_id)
-    except InvalidRecordError:
+        return check_rollout_id(rid, where=HEADER_ROLLOUT_ID), attempt
+    except InvalidRecordError as exc:
+        raise ApiRefused(400, "bad_request", str(exc)) from None
+
+
+def _int_header(request: Request, name: str) -> int | None:
+    raw = request.headers.get(name)
+    if raw is None:
         return None
+    if not raw.isdigit():
+        raise ApiRefused(400, "bad_request", f"{name}: expected a non-negative integer, got {raw[:40]!r}")
+    return int(raw)
 
 
-def create_app(name: str, token: str, slow_ms: int = 0, test_faults: bool = False) -> FastAPI:
-    """The resource server's FastAPI app: tools, session reset, a session view and the control routes."""
-    participant = ResourceParticipant(name, slow_ms)
-    plane = ControlPlane(participant, token)
-    app = FastAPI(title=f"refgym resource server {name}")
+def _decode_tool(body: bytes) -> ToolCall:
+    try:
+        return msgspec.json.decode(body, type=ToolCall)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ApiRefused(400, "bad_request", f"ToolCall: {exc}") from None
+
+
+def create_app(name: str, token: str, kind: str = "notes", slow_ms: int = 0, test_faults: bool = False) -> FastAPI:
+    """A resources server of one tool ``kind``: session reset, the tool, a session view, and Gym's
+    ``resources-checkpoint`` control routes."""
+    sessions = ResourceSessions()
+    participant = RefResources(name, kind, sessions, slow_ms)
+    app = FastAPI(title=f"refgym resources server {name} ({kind})")
     app.state.participant = participant
-    app.include_router(plane.router())
+    app.include_router(resources_router(participant, sessions, Fence(), token))
     install_error_handler(app)
-    health_routes(app, "resource", name)
+    health_routes(app, "resources_servers", name)
     if test_faults:
         participant.faults.install(app)
 
-    @app.post("/tools/{kind}")
-    async def tool(kind: str, request: Request) -> Response:
-        if kind not in rules.TOOL_KINDS:
-            raise ApiRefused(404, "not_found", f"no tool {kind!r} (this server has {', '.join(rules.TOOL_KINDS)})")
-        result = await participant.tool(kind, await decode(request, ToolCall))
-        return reply(result, headers={REVISION_HEADER: str(result.revision)})
+    @app.post("/sessions/reset")
+    async def reset(request: Request) -> Response:
+        return await participant.call(request, "start")
 
-    @app.post("/sessions/{session_id}/reset")
-    async def reset(session_id: str) -> Response:
-        try:
-            sid = msgspec.convert(session_id, SessionId)
-        except msgspec.ValidationError as exc:
-            raise ApiRefused(400, "bad_request", f"session id {session_id!r}: {exc}") from None
-        participant.reset_session(sid)
-        return reply({"session_id": sid, "revision": 0})
+    @app.post("/sessions/end")
+    async def end(request: Request) -> Response:
+        return await participant.call(request, "terminal")
+
+    @app.post("/tools/{tool}")
+    async def tool(tool: str, request: Request) -> Response:
+        if tool != kind:
+            raise ApiRefused(404, "not_found", f"no tool {tool!r} (this server has {kind})")
+        return await participant.call(request, "mutation")
 
     @app.get("/sessions")
-    async def sessions() -> Response:
+    async def sessions_view() -> Response:
         return reply(participant.sessions_view())
 
     return app

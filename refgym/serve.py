@@ -33,12 +33,13 @@ def build_app(args: argparse.Namespace, token: str) -> FastAPI:
     if args.component == "resource":
         from refgym.resource_server import create_app as resource_app
 
-        return resource_app(args.name, token, slow_ms=args.slow_ms, test_faults=args.test_faults)
+        return resource_app(args.name, token, kind=args.tool, slow_ms=args.slow_ms, test_faults=args.test_faults)
     if not args.model_url or not args.resource_url:
-        raise SystemExit("an agent server needs --model-url and --resource-url")
+        raise SystemExit("an agent server needs --model-url and --resource-url (and --sandbox-url for sandbox tools)")
     from refgym.agent_server import create_app as agent_app
 
-    return agent_app(args.name, token, model_url=args.model_url, resource_url=args.resource_url)
+    tools = {"notes": args.resource_url} | ({"sandbox": args.sandbox_url} if args.sandbox_url else {})
+    return agent_app(args.name, token, model_url=args.model_url, tool_urls=tools)
 
 
 def bind(port: int, host: str = HOST) -> socket.socket:
@@ -60,14 +61,17 @@ def write_port_file(path: str, port: int) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m refgym.serve", description=__doc__.splitlines()[0])
     p.add_argument("--component", required=True, choices=["model", "agent", "resource"])
-    p.add_argument("--name", required=True, help="the server's name (its part is gym/<component>/<name>)")
+    p.add_argument("--name", required=True, help="the server's name (its capability name, NeMo-RL's participant name)")
     p.add_argument("--host", default=HOST, help="address to listen on; 127.0.0.1 unless exposing the server is "
                    "meant (another machine's NemoGym actor must reach it)")
     p.add_argument("--port", type=int, default=0, help="port (0: any free port)")
     p.add_argument("--port-file", help="write the bound port here")
     p.add_argument("--token-file", required=True, help="file holding the bearer token of the control routes")
     p.add_argument("--model-url", help="agent: the policy model server")
-    p.add_argument("--resource-url", help="agent: the resource server")
+    p.add_argument("--resource-url", help="agent: the resources server of the notes tool")
+    p.add_argument("--sandbox-url", help="agent: the resources server of the sandbox tool (restart-only)")
+    p.add_argument("--tool", default="notes", choices=["notes", "sandbox"],
+                   help="resource: the tool kind it serves (sandbox is restart-only)")
     p.add_argument("--seed", type=int, default=0, help="model: the model's seed")
     p.add_argument("--slow-ms", type=int, default=0, help="model/resource: make every call take this long")
     p.add_argument("--commit-delay-ms", type=int, default=0, help="model: hold each commit open this long (tests)")

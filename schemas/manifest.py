@@ -106,7 +106,9 @@ class PartReceipt(msgspec.Struct, frozen=True, kw_only=True):
 class ParticipantCommit(msgspec.Struct, frozen=True, kw_only=True):
     """One Gym participant's commit result, as the manifest keeps it."""
 
-    component: Annotated[Str, msgspec.Meta(description="`agent`, `model` or `resource`.")]
+    component: Annotated[Str, msgspec.Meta(
+        description="Gym's component name: `responses_api_agents`, `responses_api_models` or `resources_servers` "
+                    "(format 1.0 and 1.1 writers wrote `agent`, `model` or `resource`).")]
     name: Annotated[Name, msgspec.Meta(description="The participant's name (a safe name).")]
     part_prefix: Annotated[RelPath | None, msgspec.Meta(
         description="Prefix of the part it wrote, or null for a stateless participant that wrote "

@@ -8,14 +8,18 @@ from schemas.errors import VersionError
 
 FORMAT_MAJOR = 1
 #: 1.1 added the ``dataplane_rows`` file kind and the feature of the same name (SPEC §12.2a, §14.3).
-FORMAT_MINOR = 1
+#: 1.2 adds the ``gym_file`` kind (Gym's own checkpoint files, adopted as parts: SPEC §12.11), and
+#: ``gym_commit`` and ``topology_fingerprint`` hold what Gym's protocol gives (Gym's component names
+#: and commit replies; NeMo-RL's fingerprint). It needs no feature (SPEC §13.1): see
+#: :data:`KINDS_WITHOUT_FEATURE`.
+FORMAT_MINOR = 2
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 
 #: Features this implementation understands. A snapshot lists the ones a reader MUST know in
 #: ``required_features``; an unknown entry there is refused, naming both format versions (a reader
 #: that skipped what it does not know would misread the snapshot). 1.0 defined none; 1.1 defines
 #: ``dataplane_rows``: a snapshot holding a file of that kind lists it, because a reader that
-#: ignores unknown kinds would restore the data plane without those partitions.
+#: ignores unknown kinds would restore the data plane without those partitions. 1.2 adds none.
 KNOWN_FEATURES: frozenset[str] = frozenset({"dataplane_rows"})
 #: Names the spec reserves for later minor versions: refused until implemented.
 RESERVED_FEATURES: frozenset[str] = frozenset({"shared_objects"})
@@ -23,6 +27,17 @@ RESERVED_FEATURES: frozenset[str] = frozenset({"shared_objects"})
 #: The feature a snapshot MUST list in ``required_features`` when it holds a file of the kind
 #: (a kind an older reader would skip, losing what the file holds).
 KIND_FEATURES: dict[str, str] = {"dataplane_rows": "dataplane_rows"}
+
+#: Kinds added by a minor version that deliberately need no feature, each with the reason (SPEC
+#: §13.1, §14). An older reader skips ``gym_file`` and so sees no Gym state in the snapshot, but
+#: reads every other part as written; the one reader that would go wrong by missing it, a restore,
+#: refuses the snapshot first: the manifest's ``topology_fingerprint`` is NeMo-RL's, which never
+#: equals the fingerprint a 1.0 or 1.1 coordinator computes (SPEC §6, §15.4 step 3). A feature
+#: would instead make every snapshot of Gym's protocol unreadable to 1.1 tools (``ls``, ``show``,
+#: ``verify``, the TQ and controller parts) for no gain.
+KINDS_WITHOUT_FEATURE: dict[str, str] = {
+    "gym_file": "older readers skip Gym's files; an older restore refuses the snapshot by its topology fingerprint",
+}
 
 #: Highest ``schema_version`` of each record family this code reads (older ones are accepted).
 RECORD_SCHEMA_VERSION = 1
@@ -38,7 +53,7 @@ def parse_version(text: str, where: str) -> tuple[int, int]:
 
 def check_readable(format_version: str, required_features: list[str] | tuple[str, ...], where: str) -> None:
     """Refuse a newer major version or an unknown required feature, naming both versions."""
-    major, minor = parse_version(format_version, where)
+    major, _minor = parse_version(format_version, where)
     if major != FORMAT_MAJOR:
         raise VersionError(
             f"{where}: written with format version {format_version}, this reader understands "
@@ -55,7 +70,8 @@ def check_readable(format_version: str, required_features: list[str] | tuple[str
 
 def features_of_kinds(kinds: Iterable[str]) -> list[str]:
     """The ``required_features`` of a snapshot whose files are of ``kinds``: sorted, each once, empty
-    when none of them needs one (so such a snapshot stays readable by a 1.0 reader)."""
+    when none of them needs one (so such a snapshot stays readable by a 1.0 reader). ``gym_file``
+    needs none (:data:`KINDS_WITHOUT_FEATURE`)."""
     return sorted({KIND_FEATURES[k] for k in kinds if k in KIND_FEATURES})
 
 

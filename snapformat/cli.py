@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,10 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import InvalidPathError, InvalidRecordError, NotPublishedError, SnapshotError
+from schemas.gym_files import AGENT_DIR, CONTINUATIONS_NAME
+from schemas.manifest import FileEntry
 from snapformat import layout
-from snapformat.kinds import ALIASES, storage_of
+from snapformat.gym_dir import gym_part_summary
+from snapformat.kinds import ALIASES, GYM_FILE_KIND, storage_of
 from snapformat.progress import Progress
-from snapformat.reader import Snapshot, load_manifest, open_snapshot
+from snapformat.reader import Snapshot, load_manifest, open_snapshot, resolve_kind
 from snapformat.retention import DEFAULT_DRAFT_MIN_AGE_S
 from snapformat.snapshot_store import SnapshotStore, stores_under
 from snapformat.token_rows import iter_entries
@@ -132,8 +136,18 @@ def _summary(snap: Snapshot) -> dict[str, Any]:
         "timings_s": m.timings_s,
         "producer": m.producer,
         "kinds": by_kind,
+        "gym_parts": _gym_parts(snap),
         "files": msgspec.to_builtins(m.files),
     }
+
+
+def _gym_parts(snap: Snapshot) -> list[dict[str, Any]]:
+    """Each part whose files Gym wrote itself (kind ``gym_file``), with its record counts."""
+    suffix = "/" + layout.PART_MANIFEST_NAME
+    prefixes = [f.path[: -len(suffix)] for f in snap.manifest.files if f.kind == "part_manifest"]
+    gym = {f.path for f in snap.manifest.files if f.kind == GYM_FILE_KIND}
+    return [gym_part_summary(prefix, snap.manifest.files) for prefix in prefixes
+            if any(path.startswith(prefix + "/") for path in gym)]
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -153,6 +167,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"gym commit   {gym.checkpoint_id}: " + ", ".join(f"{p.component}/{p.name}" for p in gym.participants))
     if s["timings_s"]:
         print("timings      " + ", ".join(f"{k} {v:.3f}s" for k, v in s["timings_s"].items()))
+    if s["gym_parts"]:
+        print("gym parts:")
+        for g in s["gym_parts"]:
+            counts = ", ".join(f"{v} {k}" for k, v in g["records"].items()) or "no records"
+            print(f"  {g['prefix']:<52} {g['component']:<9} {g['files']:>3} files {g['bytes']:>12} B  {counts}")
     print("parts:")
     for kind, k in sorted(s["kinds"].items()):
         print(f"  {kind:<20} {k['files']:>3} files {k['records']:>10} records {k['bytes'] / 2**20:>10.2f} MiB")
@@ -209,12 +228,61 @@ def _resolve_part(snap: Snapshot, part: str) -> None:
         raise UsageError(str(exc)) from None
 
 
+def _gym_entries(snap: Snapshot, part: str) -> list[FileEntry]:
+    """Gym's own files that ``part`` names: the file itself when it is one, and for
+    ``continuations`` every ``gym/agent/.../continuations.jsonl`` (Gym's continuation indexes)."""
+    gym = [f for f in snap.manifest.files if f.kind == GYM_FILE_KIND]
+    exact = [f for f in gym if f.path == part]
+    if exact:
+        return exact
+    try:
+        kind = resolve_kind(part)
+    except InvalidRecordError:
+        return []
+    if kind != "continuations":
+        return []
+    return [f for f in gym if f.path.startswith(f"{layout.GYM_PREFIX}/{AGENT_DIR}/")
+            and f.path.rsplit("/", 1)[-1] == CONTINUATIONS_NAME]
+
+
+def _cat_gym(snap: Snapshot, entries: list[FileEntry], limit: int | None, n: int) -> int:
+    """Print Gym's files as they are: each non-blank line of a JSON-lines file, a JSON document whole."""
+    out = sys.stdout
+    for entry in entries:
+        name = entry.path.rsplit("/", 1)[-1]
+        if not name.endswith((".jsonl", ".json")):
+            raise UsageError(f"{entry.path}: a Gym archive, not text (its members are listed in agent-index.jsonl)")
+        data = snap.read_bytes(entry)
+        lines = [line for line in data.split(b"\n") if line.strip()] if name.endswith(".jsonl") else [data.rstrip(b"\n")]
+        for line in lines:
+            if limit is not None and n >= limit:
+                return n
+            out.write(line.decode("utf-8", "replace") + "\n")
+            n += 1
+    return n
+
+
 def cmd_cat(args: argparse.Namespace) -> int:
     snap = _open(args.snapshot)
-    _resolve_part(snap, args.part)
     out = sys.stdout
     limit = args.limit
     n = 0
+    gym = _gym_entries(snap, args.part)
+    if gym:
+        if args.format != "jsonl":
+            raise UsageError(f"--format {args.format} is for row parts (training, tokens); Gym's files print as they are")
+        if any(f.path == args.part for f in gym):
+            _cat_gym(snap, gym, limit, 0)
+            return 0
+        if snap.files("continuations"):  # this project's own continuation parts, then Gym's files
+            for rec in snap.iter_records("continuations"):
+                if limit is not None and n >= limit:
+                    return 0
+                out.write(msgspec.json.encode(rec).decode() + "\n")
+                n += 1
+        _cat_gym(snap, gym, limit, n)
+        return 0
+    _resolve_part(snap, args.part)
     rows = _is_rows(snap, args.part)
     if rows and args.format == "jsonl" and _is_tokens(snap, args.part):
         # Gym's own record, as its TokenEntry.model_validate_json accepts it, one per line.
@@ -334,6 +402,35 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from snapformat.adopt import adopt_part
+
+    receipt = adopt_part(args.draft, args.dir, args.prefix, args.writer)
+    if args.json:
+        _emit_json(receipt)
+        return 0
+    print(f"adopted {args.dir} as part {receipt.prefix} of {args.draft} "
+          f"(writer {receipt.writer}, part manifest {receipt.part_manifest_checksum})")
+    return 0
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    from snapformat.adopt import gym_prefixes, materialize_part
+
+    snap = _open(args.snapshot)
+    prefixes = args.prefix or gym_prefixes(snap)
+    written: dict[str, list[str]] = {}
+    for prefix in prefixes:  # each into <dir>/<prefix without gym/>: a checkpoint_dir Gym can read
+        rel = prefix.removeprefix("gym/")
+        written[prefix] = materialize_part(snap, prefix, str(Path(args.dir) / rel))
+    if args.json:
+        _emit_json({"snapshot": snap.url, "checkpoint_dir": str(args.dir), "parts": written})
+        return 0
+    for prefix, names in written.items():
+        print(f"{prefix}: {len(names)} files into {Path(args.dir) / prefix.removeprefix('gym/')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snapformat", description="Inspect, verify and prune rollout snapshots.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -370,6 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("src", help="a snapshot location or a store")
     sp.add_argument("dst", help="a store (or the snapshot's location in it)")
     sp.set_defaults(func=cmd_copy)
+    sp = add("adopt", "make a folder of Gym's plain files one part of a draft (checked, uploaded, part manifest)")
+    sp.add_argument("dir", help="the participant's folder (e.g. <checkpoint_dir>/agent/instance-<sha>)")
+    sp.add_argument("draft", help="the draft's location (<store>/snapshots/<snapshot_id>)")
+    sp.add_argument("prefix", help="the part prefix (e.g. gym/agent/instance-<sha>)")
+    sp.add_argument("--writer", default=None, help="label of the part's writer (default: the prefix)")
+    sp.set_defaults(func=cmd_adopt)
+    sp = add("materialize", "download a snapshot's Gym parts into a local checkpoint_dir (every byte checked)")
+    sp.add_argument("snapshot", help="a snapshot location as ls prints it, or a store (its newest snapshot)")
+    sp.add_argument("dir", help="the checkpoint_dir to fill (agent/instance-<sha>/, model-ledger/<name>/, ...)")
+    sp.add_argument("--prefix", action="append", default=None,
+                    help="only this part (repeatable; default: every Gym part of the snapshot)")
+    sp.set_defaults(func=cmd_materialize)
     sp = add("gc", "apply retention and sweep drafts left by crashed writers")
     sp.add_argument("store")
     sp.add_argument("--keep", type=int, default=None, help="keep only the newest K published snapshots")

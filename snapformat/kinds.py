@@ -48,8 +48,20 @@ ALIASES: dict[str, str] = {
 }
 
 
+#: A file a Gym participant wrote itself into ``checkpoint_dir`` (CONTROL.md §6) and the publisher
+#: adopted as it is (``snapformat.adopt``): Gym's layout and bytes, bound by Gym's own
+#: ``manifest.json``. Its ``records`` are the members of a ``.tar``, the non-blank lines of a
+#: ``.jsonl``, else 1. A reader that does not know the kind ignores it; verification checks its
+#: bytes and that count.
+GYM_FILE_KIND = "gym_file"
+GYM_KINDS = frozenset({GYM_FILE_KIND})
+
+
 def storage_of(kind: str) -> str:
-    """``rows``, ``jsonl``, ``json`` or ``unknown`` (a kind from a newer minor version)."""
+    """``rows``, ``jsonl``, ``json``, ``gym`` (Gym's own files) or ``unknown`` (a kind from a newer
+    minor version)."""
+    if kind in GYM_KINDS:
+        return "gym"
     if kind in ROW_KINDS:
         return "rows"
     if kind in JSONL_KINDS:

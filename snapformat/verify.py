@@ -2,13 +2,14 @@
 
 Per file: present, size, checksum over all bytes, then parsed by kind (row schema, row rules,
 batch and row counts, Gym's digest of every token-capture row whose prompt is whole; every JSON
-line decoded; line counts). Across files: every token-index
+line decoded; line counts; Gym's own files: their record counts). Across files: every token-index
 entry names a token-capture part of this snapshot, a batch and a row range inside it, and those
 rows belong to that model call. Problems are collected, not raised, so one run names them all.
 """
 
 from __future__ import annotations
 
+import tarfile
 from collections.abc import Callable
 
 import msgspec
@@ -18,6 +19,7 @@ from schemas.errors import CorruptSnapshotError, SnapshotError
 from schemas.manifest import FileEntry
 from schemas.rows import file_version, upgrade, validate_batch
 from snapformat.checksum import check, checksum_stream
+from snapformat.gym_dir import count_records
 from snapformat.kinds import RECORD_TYPES, storage_of
 from snapformat.reader import Snapshot
 from snapformat.token_rows import check_digests
@@ -83,6 +85,27 @@ def _check_records(snap: Snapshot, entry: FileEntry, token_index: list) -> None:
         raise CorruptSnapshotError(f"{where}: has {n} records, the manifest says {entry.records}")
 
 
+def _check_gym_file(snap: Snapshot, entry: FileEntry) -> None:
+    """A file Gym wrote (``gym_file``): its records, counted as the adopter counted them (members of
+    a ``.tar``, non-blank lines of a ``.jsonl``, else 1). Gym's own digests were checked when the
+    part was adopted; the checksum just checked binds these same bytes."""
+    where = snap.where(entry)
+    name = entry.path.rsplit("/", 1)[-1]
+    members = lines = None
+    with snap.store.open_read(snap.key(entry)) as fh:
+        if name.endswith(".tar"):
+            try:
+                with tarfile.open(fileobj=fh, mode="r:") as tf:
+                    members = len(tf.getmembers())
+            except (tarfile.TarError, OSError, EOFError) as exc:
+                raise CorruptSnapshotError(f"{where}: not a readable tar archive ({exc})") from None
+        elif name.endswith(".jsonl"):
+            lines = sum(1 for line in fh if line.strip())
+    counted = count_records(name, lines, members)
+    if counted != entry.records:
+        raise CorruptSnapshotError(f"{where}: has {counted} records, the manifest says {entry.records}")
+
+
 def _check_token_index(snap: Snapshot, token_index: list, readers: dict, problems: list[Problem]) -> None:
     kinds = {f.path: f.kind for f in snap.manifest.files}
     broken = {p.file for p in problems}
@@ -129,6 +152,8 @@ def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = Non
                 _check_rows(snap, entry, readers)
             elif storage in ("jsonl", "json") and entry.kind in RECORD_TYPES:
                 _check_records(snap, entry, token_index)
+            elif storage == "gym":
+                _check_gym_file(snap, entry)
         except SnapshotError as exc:
             problems.append(Problem(entry.path, str(exc)))
     _check_token_index(snap, token_index, readers, problems)

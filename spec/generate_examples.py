@@ -1,18 +1,22 @@
-"""Write the golden example store ``spec/examples/store-v1.1/`` with the reference writer.
+"""Write the golden example store ``spec/examples/store-v1.2/`` with the reference writer.
 
-    python spec/generate_examples.py            # (re)write spec/examples/store-v1.1
+    python spec/generate_examples.py            # (re)write spec/examples/store-v1.2
     python spec/generate_examples.py OUT_DIR    # write the same store elsewhere
 
 The store holds two published snapshots, each written by ``snapformat.example.write_example``
-(``count=12``, seeds 7 and 8) and published with the receipts, Gym's commit result and the
-example topology fingerprint. The second snapshot has two more parts: ``bulk/``, whose JSON-lines
-file is large enough (more than 256 KiB of content) to be stored zstd-compressed as
-``bulk/sessions.jsonl.zst``, so the golden store covers both JSON-lines encodings; and
-``nemo-rl/``, NeMo-RL's token-capture staging rows as a data plane holds them, written as
-``dataplane_rows`` (so that snapshot requires the format 1.1 feature ``dataplane_rows``).
+(``count=12``, seeds 7 and 8) and published with the receipts, Gym's commit result (each Gym
+server's commit reply verbatim) and the example topology fingerprint (NeMo-RL's). Its Gym parts
+are Gym's own files, written into ``checkpoint_dir`` (the draft's ``gym/`` folder) as Gym's
+servers write them and adopted as parts of kind ``gym_file`` (SPEC §12.11, CONTROL.md §9). The
+second snapshot has two more parts: ``bulk/``, whose JSON-lines file is large enough (more than
+256 KiB of content) to be stored zstd-compressed as ``bulk/replay_index.jsonl.zst``, so the golden
+store covers both JSON-lines encodings; and ``nemo-rl/``, NeMo-RL's token-capture staging rows as
+a data plane holds them, written as ``dataplane_rows`` (so that snapshot requires the format 1.1
+feature ``dataplane_rows``).
 
-``spec/examples/store-v1/`` is the store format 1.0 writers produced; it is kept as it is, and
-every reader must keep reading it.
+``spec/examples/store-v1/`` and ``store-v1.1/`` are the stores format 1.0 and 1.1 writers
+produced (Gym parts of this project's own kinds, SPEC §12.3 to §12.7); they are kept as they are,
+and every reader must keep reading them.
 
 Every data file is a pure function of the seeds: only ``manifest.json``, ``part-manifest.json``,
 the commit records and ``_latest.json`` carry times and random snapshot ids.
@@ -31,29 +35,29 @@ import numpy as np
 import pyarrow as pa
 
 from coordinator.dataplane import DATAPLANE, InMemoryDataPlane, Ragged
-from schemas.gym_records import SessionStateRecord
+from schemas.controller import ReplayIndexEntry
 from snapformat import SnapshotStore, example
 from snapformat.publish import Published
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "examples" / "store-v1.1"
+DEFAULT_OUT = HERE / "examples" / "store-v1.2"
 
 COUNT = 12
 SEEDS = (7, 8)
 BULK_PREFIX = "bulk"
 STAGING_PREFIX = "nemo-rl"
-BULK_RECORDS = 1800  # ~300 KB of JSON lines: past the 256 KiB zstd threshold, ~10 KB stored
+BULK_RECORDS = 2400  # ~330 KB of JSON lines: past the 256 KiB zstd threshold, a few KB stored
+BULK_STATUSES = ("ready", "claimed_for_training", "applied_uncheckpointed")
 PRODUCER = "snapformat spec/generate_examples.py"
 
 
-def bulk_sessions(n: int = BULK_RECORDS):
-    """Deterministic session records, many and alike (as a resource server's export would be)."""
+def bulk_replay_index(n: int = BULK_RECORDS):
+    """Deterministic replay-index entries, many and alike (as a long run's data plane would hold)."""
     for i in range(n):
-        yield SessionStateRecord(
-            session_id=f"bulk-{i:05d}", resource="scratch", state_revision=i % 17,
-            rollout_id=f"p{i // example.GROUP_SIZE}_g{i % example.GROUP_SIZE}",
-            state={"cwd": "/work", "files": {f"notes-{i % 7}.txt": f"turn {i % 5}"}, "history": i % 13},
-        )
+        rollout_id = f"p{i // example.GROUP_SIZE}_g{i % example.GROUP_SIZE}"
+        yield ReplayIndexEntry(key=f"bulk-{i:05d}/sample", partition_id="bulk", rollout_id=rollout_id,
+                               attempt_index=i % 3 // 2, group_id=f"p{i // example.GROUP_SIZE}",
+                               status=BULK_STATUSES[i % len(BULK_STATUSES)])
 
 
 def staging_rows(seed: int, rollouts: int = 6) -> pa.Table:
@@ -93,7 +97,7 @@ def write_store(root: str | Path) -> list[Published]:
         gym, receipts = example.write_example(draft, count=COUNT, seed=seed)
         if n == len(SEEDS) - 1:
             bulk = draft.part(BULK_PREFIX, writer="example:bulk")
-            entry = bulk.write_records("sessions", "session_state", bulk_sessions())
+            entry = bulk.write_records("replay_index", "replay_index", bulk_replay_index())
             assert entry.compression == "zstd", entry
             receipts.append(bulk.close())
             staging = draft.part(STAGING_PREFIX, writer="example:staging")

@@ -10,16 +10,17 @@ A generated block sits between two HTML comments and is replaced whole::
 Block names in SPEC.md: ``record:<Struct>`` (field table from ``msgspec.inspect`` plus a JSON
 example built from the struct, so it always decodes), ``columns:<row kind>`` (from the Arrow
 schemas and ``COLUMN_DESCRIPTIONS`` of ``schemas/rows.py``), ``kinds`` (every ``FileKind``),
-``constants`` and ``vectors`` (values computed by the code). Block names in CONTROL.md (the
-checkpoint control protocol): ``message:<Struct>`` (the same as ``record:`` for the structs of
-``schemas/control.py``) and ``control:<what>`` (routes, phases, error codes, constants and topology
-vector).
+``constants`` and ``vectors`` (values computed by the code). Block names in CONTROL.md (Gym's
+checkpoint control protocol): ``message:<Struct>`` (the same as ``record:``, for every struct of
+``schemas/control.py`` and ``schemas/gym_files.py``) and ``control:<what>`` (the routes of each
+component, phases, error codes, constants and the topology fingerprint vector).
 
-Every field's meaning is its ``msgspec.Meta(description=...)`` in ``schemas/`` (so the exported JSON
-Schemas carry it too), every column's its entry in ``COLUMN_DESCRIPTIONS``; only the meanings of
-phases, error codes, routes and file kinds are written here. A field, a column, a phase, an error
-code or a route without a meaning fails the run, so none of them can reach the spec undocumented
-(routes are also checked against the ones ``gymkit`` registers).
+Every field's meaning is its ``msgspec.Meta(description=...)`` in ``schemas/``, or for the control
+and Gym-file structs ``schemas.jsonschema.FIELD_MEANINGS`` (so the exported JSON Schemas carry it
+too), every column's its entry in ``COLUMN_DESCRIPTIONS``; only the meanings of phases, error codes,
+routes and file kinds are written here. A field, a column, a phase, an error code or a route without
+a meaning fails the run, so none of them can reach the spec undocumented. The routes documented are
+checked against the ones ``gymkit`` registers by ``tests/spec/test_spec_in_sync.py``.
 
     python spec/render_spec_schemas.py          # rewrite spec/SPEC.md and spec/CONTROL.md in place
     python spec/render_spec_schemas.py --check  # exit 1 if either is out of date
@@ -29,6 +30,9 @@ code or a route without a meaning fails the run, so none of them can reach the s
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import re
 import sys
 import typing
@@ -40,22 +44,63 @@ import msgspec
 import msgspec.inspect as mi
 import pyarrow as pa
 
-from schemas import control, identity, version
+from schemas import control, gym_files, identity, topology, version
 from schemas.control import (
-    AcknowledgeRequest,
+    AbortInflightResponse,
+    AcknowledgeCompletedRequest,
+    AcknowledgeCompletedResponse,
+    AcknowledgeResponse,
+    AgentCommitResponse,
+    AgentRestoreResponse,
+    AgentResumeResponse,
+    AgentRetireResponse,
+    AgentStatus,
+    AttemptRef,
+    AttemptRequest,
     Capabilities,
-    CommitRequest,
-    CommitResponse,
-    Concurrency,
-    ControlError,
+    CheckpointDirRequest,
+    CompletionReceipt,
     ControlRequest,
-    DiscardRequest,
-    PhaseResponse,
-    RestoreRequest,
-    RestoreResponse,
-    RolloutRef,
+    DetailBody,
+    DiscardResponse,
+    ErrorBody,
+    ErrorEnvelope,
+    Execution,
+    InflightCall,
+    InventoryEntry,
+    ModelCommitRequest,
+    ModelCommitResponse,
+    ModelPauseResponse,
+    ModelRestoreResponse,
+    ModelResumeResponse,
+    ModelStatusResponse,
+    MultiProcess,
+    ResourcesCommitResponse,
+    ResourcesPrepareResponse,
+    ResourcesRestoreResponse,
+    ResourcesResumeResponse,
+    ResourcesRetireResponse,
+    ResourcesStatusResponse,
+    SelectedBoundary,
+    Workers,
+    WorkerState,
 )
 from schemas.controller import AckOwed, LoaderPlace, PromptGroup, ReplayIndexEntry, RolloutAttempt
+from schemas.gym_files import (
+    AgentArchive,
+    AgentBoundaryRecord,
+    AgentIndexEntry,
+    AgentManifest,
+    ArtifactRef,
+    AttemptEntry,
+    ExternalStorageReference,
+    LedgerManifest,
+    LedgerRollout,
+    MutationReceipt,
+    PendingModel,
+    ResourcesManifest,
+    ResourceSnapshot,
+)
 from schemas.gym_records import (
     AgentContinuationRoot,
     AgentStateRecord,
@@ -63,7 +108,7 @@ from schemas.gym_records import (
     SessionStateRecord,
     TokenIndexEntry,
 )
-from schemas.jsonschema import CONTROL_MESSAGES
+from schemas.jsonschema import CONTROL_MESSAGES, GYM_FILES, field_meaning
 from schemas.manifest import (
     CommitRecord,
     FileEntry,
@@ -78,10 +123,10 @@ from schemas.manifest import (
     StoreMarker,
 )
 from schemas.rows import COLUMN_DESCRIPTIONS, ROW_SCHEMAS
-from schemas.topology import canonical_json, topology_fingerprint
+from schemas.topology import canonical_json, manifest_fingerprint, topology_fingerprint
 from snapformat import jsonl, layout, reader, retention
 from snapformat.checksum import checksum_bytes
-from snapformat.kinds import RECORD_TYPES, storage_of
+from snapformat.kinds import GYM_KINDS, RECORD_TYPES, storage_of
 
 SPEC_DIR = Path(__file__).resolve().parent
 _BLOCK_RE = re.compile(
@@ -93,66 +138,101 @@ _BLOCK_RE = re.compile(
 # Meanings of what is not a struct field or a row column
 # --------------------------------------------------------------------------------------------
 
-#: What each phase means, and the admission it implies (checked against ``schemas.control.Phase``).
+#: What each phase of the fence means, and which routes enter it (checked against ``schemas.control.PHASES``).
 PHASE_MEANINGS: dict[str, tuple[str, str]] = {
-    "idle": ("accepting", "No checkpoint in progress; the server does its normal work."),
-    "preparing": ("draining", "Prepare was called: no new work is admitted and the server is getting to a quiet point (model: 0 calls in flight; agent: every rollout parked at a turn end; resource: sessions frozen)."),
-    "prepared": ("paused", "Quiet point reached: nothing runs and nothing changes until commit, resume or abort."),
-    "committing": ("paused", "Writing its part into the draft."),
-    "committed_paused": ("paused", "Its part is written and closed; still paused until resume (or abort)."),
-    "restoring": ("paused", "Loading its part of a published snapshot."),
-    "restored_paused": ("paused", "Its part is loaded; still paused until resume (agents: discard may be called now)."),
-    "failed_restore": ("paused", "A restore failed after it began changing the server's state; only abort is accepted, and it returns the server to `idle` empty."),
+    "idle": ("start; every `resume`", "No checkpoint is active (`active_checkpoint_id` is null). The data plane admits work, unless a failed prepare or restore left it closed (CONTROL §2)."),
+    "preparing": ("model `pause`, agent and resources `prepare`", "A prepare is running, or the model's admission is still draining its calls in flight."),
+    "prepared": ("the end of a prepare (model: once admission is `paused`)", "The participant is quiet (model admission `paused`, agent `ready_to_commit`, resources sessions exported) and waits for commit or resume."),
+    "committing": ("every `commit`", "The commit is writing the participant's files into `checkpoint_dir`."),
+    "committed_paused": ("the end of a commit", "Its files are written, manifest last; still paused until resume."),
+    "restoring": ("every `restore`", "The restore is reading the participant's files."),
+    "restore_failed_paused": ("a failed model `restore`", "Model only: its restore failed; admission stays paused. Another model `restore`, or `resume`, leaves it."),
+    "restored_paused": ("the end of a restore", "The files are loaded and admission stays closed until resume (agents: `discard-restored-continuation` is allowed here)."),
 }
 
-#: Each error code: the HTTP statuses it comes with, and what it means (checked against ``ControlError.error``).
+#: Each error code: the HTTP status it comes with and what it means (checked against ``ERROR_CODES``).
+#: "(condition not in the sources)" marks a code the reference lists without saying when it is sent.
 ERROR_MEANINGS: dict[str, tuple[str, str]] = {
-    "unauthorized": ("401", "No `Authorization: Bearer <token>` header, another scheme, or a wrong token. Checked before anything else."),
-    "bad_request": ("400, 404", "400: the body is not JSON, not the route's request struct (missing or unknown field, wrong type, a value outside its limits), `wait_s` is not a number, `part_prefix` is not this server's, the snapshot cannot be opened, or it was saved under another checkpoint id, or a model commit's receipt is not an agent part. 404: an agent route called on a server that is not an agent."),
-    "too_large": ("413", "The body exceeds 1 MiB; it is refused before it is decoded."),
-    "wrong_phase": ("409", "The call is not allowed in the server's phase (the reason lists the phases that allow it), or a restore was sent to a server that already holds state it would replace."),
-    "conflicting_checkpoint": ("409", "Another checkpoint is in progress; the reason names it."),
-    "stale_checkpoint": ("409", "The checkpoint already ended (resumed or aborted), or it was aborted while its prepare was draining."),
-    "deadline_passed": ("409", "The deadline had passed when the call arrived, or prepare or commit could not finish before it."),
-    "unknown_rollout": ("404", "Acknowledge or discard named a rollout run the agent does not hold as a finished result (acknowledge) or as a restored continuation (discard); nothing was changed."),
-    "invalid_record": ("400, 409", "A record the server read breaks the format or Gym's rules (400; a restore that refuses its part returns the server to `idle`), or a continuation a model commit was given names a model call the server never served (409)."),
-    "topology_mismatch": ("409", "The snapshot was taken by another topology than the running one; the reason names both fingerprints."),
-    "internal": ("500", "The server failed (writing its part, reading the agent parts a model commit was given, loading its part, or a bug). After a failed commit it is back in `prepared`; after a failed restore it is in `failed_restore`."),
+    "control_error": ("409, 500", "A control failure no other code names; our servers answer an unexpected failure 500 with it (never with the token in `detail`)."),
+    "stale_checkpoint": ("409", "The id was retired by its resume: any operation with it except that resume's replay."),
+    "checkpoint_conflict": ("409", "Another checkpoint id is active in this process."),
+    "invalid_phase": ("409", "The operation is not allowed in the process's phase."),
+    "not_a_policy_instance": ("409", "A model admission or model checkpoint route other than `status` on a model whose `instance_role` is not `policy`."),
+    "ledger_mismatch": ("409", "A model commit found its own `manifest.json` with other tombstones, source attempts or roots digest; or a continuation root's capture key is tombstoned or has no lineage."),
+    "ledger_not_checkpointable": ("409", "The ledger cannot be checkpointed (condition not in the sources)."),
+    "ledger_not_quiescent": ("409", "A model commit while admission is not `paused` or calls are in flight."),
+    "missing_workers": ("none (coordinator only)", "NeMo-RL's coordinator code for model workers that did not answer; no server sends it."),
+    "agent_checkpoint_error": ("409", "An agent checkpoint operation failed (its files could not be written or read; condition not otherwise in the sources)."),
+    "duplicate_execution": ("409", "`discard-restored-continuation` named a replacement attempt that is running."),
+    "agent_admission_closed": ("409", "A `/run` while agent admission is closed: from a prepare (also one that failed) or a restore, until resume."),
+    "stale_attempt": ("409", "An attempt that may not run any more: a `/run` of an acknowledged, retired or tombstoned attempt (agent); a call of a session's old attempt (resources); a model call of a tombstoned attempt (admission; with `retry-after: 1` only at admission)."),
+    "agent_prepare_incomplete": ("409", "Agent prepare could not reach `ready_to_commit` by the deadline, or at once when the only blockers are unacknowledged completed results or executions parked without a boundary. Agent admission stays closed."),
+    "completed_execution_acknowledgement_error": ("409", "An acknowledgement or `completion-receipt` for an attempt that is not retained and completed, or whose generation, identity or digest do not match."),
+    "resources_checkpoint_error": ("409", "A resources checkpoint operation failed: a prepare past its deadline with sessions left, or files that could not be written or read."),
+    "resources_admission_closed": ("409", "A data-plane call while resources admission is closed (after a prepare, also a failed one, or a failed restore, until resume)."),
+    "resources_session_unbound": ("409", "The call names no bound session (condition not in the sources)."),
+    "unsafe_resources_restore": ("409", "A resources restore into a process that is not fresh."),
+    "resource_revision_mismatch": ("409", "Data plane: the expected revision header does not match the session's revision; the body adds `expected_revision` and `actual_revision` (null for a malformed header)."),
+    "resource_request_receipt_error": ("409", "A request id's receipt cannot be used for this request (condition not in the sources)."),
+    "resource_receipt_capacity_exhausted": ("409", "The session keeps no more mutation receipts (condition not in the sources)."),
+    "resource_receipt_evicted": ("409", "The receipt of that request id is no longer kept (condition not in the sources)."),
+    "resource_mutation_uncertain": ("409", "Whether the mutation took effect is unknown (condition not in the sources)."),
+    "execution_identity_mismatch": ("409", "The request's execution identity headers do not match what the server holds (condition not in the sources); never with `retry-after`."),
+    "checkpoint_parked": ("409", "Model admission is `draining` or `paused`: the call is refused with `retry-after: 1`."),
 }
 
-#: Every control route: (method, path under the base path, request, success response, phases, what it does).
-#: Checked against the routes ``gymkit`` registers.
-ROUTES: list[tuple[str, str, str, str, str, str]] = [
-    ("GET", "/capabilities", "", "Capabilities", "any", "Who the server is, what it can do, and its live phase and admission."),
-    ("GET", "/status", "query `checkpoint_id`, `wait_s` (optional)", "PhaseResponse", "any", "The phase now; with both query values, a long poll that answers once that checkpoint is prepared or further (or after `min(wait_s, 60)` s)."),
-    ("POST", "/prepare", "ControlRequest", "PhaseResponse", "`idle`; `preparing` (same id)", "Stop admitting work and get to a quiet point; answers when there (`prepared`)."),
-    ("POST", "/commit", "CommitRequest", "CommitResponse", "`prepared`", "Write this server's part into the draft, close it, answer its receipt."),
-    ("POST", "/restore", "RestoreRequest", "RestoreResponse", "`idle`", "Load this server's part of a published snapshot and stay paused."),
-    ("POST", "/resume", "ControlRequest", "PhaseResponse", "`preparing`, `prepared`, `committing`, `committed_paused`, `restored_paused`", "End the checkpoint: admit work again (`idle`)."),
-    ("POST", "/abort", "ControlRequest", "PhaseResponse", "as resume, and `failed_restore`", "End the checkpoint without keeping anything it was for: as resume, except that an aborted restore drops what it loaded."),
-    ("POST", "/agent/acknowledge", "AcknowledgeRequest", "JSON object", "any (agents only)", "Forget finished results the controller stored (all or nothing)."),
-    ("POST", "/agent/discard", "DiscardRequest", "JSON object", "`restored_paused` (agents only)", "Make restored continuations start over (all or nothing)."),
-    ("POST", "/admission/pause", "ControlRequest", "PhaseResponse", "as prepare", "The model server's name for prepare: pause admission, wait for 0 calls in flight."),
-    ("POST", "/admission/resume", "ControlRequest", "PhaseResponse", "as resume", "The model server's name for resume."),
-    ("POST", "/admission/abort", "ControlRequest", "PhaseResponse", "as abort", "The model server's name for abort."),
-]
+#: Every control route: (method, path under the base path, request, reply, phases, what it does),
+#: by route family. Documented and registered routes must agree (``tests/spec/test_spec_in_sync.py``).
+ROUTES: dict[str, list[tuple[str, str, str, str, str, str]]] = {
+    "capabilities": [
+        ("GET", "/capabilities", "none; no token", "Capabilities", "any", "The server's declaration merged with its live fence state (CONTROL §5)."),
+    ],
+    "model": [
+        ("POST", "/model-admission/pause", "ControlRequest", "ModelPauseResponse", "`idle` → `preparing`, or `prepared` at once when nothing is in flight", "Close model admission; non-blocking: answers the admission state at once."),
+        ("GET", "/model-admission/status", "query `checkpoint_id`, `deadline_ts` (required), `wait_state=paused`, `timeout_s` >= 0 (default 0)", "ModelStatusResponse", "any but `idle`; marks `prepared` once paused", "Admission state and calls in flight; with `wait_state=paused` it waits up to min(`timeout_s`, time left) for `paused`. Not role-gated."),
+        ("POST", "/model-admission/resume", "ControlRequest", "ModelResumeResponse", "`preparing`, `prepared`, `committed_paused`, `restore_failed_paused`, `restored_paused` → `idle` (not from `idle`)", "Reopen admission; retire the id."),
+        ("POST", "/model-admission/abort_inflight", "AttemptRequest", "AbortInflightResponse", "`preparing`, `prepared` (kept)", "Cancel the attempt's calls in flight and tombstone it; operation key `model-admission/abort_inflight:<rid>:<n>`."),
+        ("POST", "/model-checkpoint/commit", "ModelCommitRequest", "ModelCommitResponse", "`prepared` → `committing` → `committed_paused`", "Write the ledger of the calls the agents' continuation roots depend on (CONTROL §6.5); needs `paused` admission and no call in flight."),
+        ("POST", "/model-checkpoint/restore", "CheckpointDirRequest", "ModelRestoreResponse", "`idle` or `restore_failed_paused` → `restoring` → `restored_paused` (failure: `restore_failed_paused`)", "Read the ledger back; close admission; fence the saved tombstones and the source attempts."),
+    ],
+    "agent": [
+        ("POST", "/agent-checkpoint/acknowledge", "CompletionReceipt", "AcknowledgeResponse", "any (unfenced)", "Release one completed result (CONTROL §7)."),
+        ("POST", "/agent-checkpoint/acknowledge-completed", "AcknowledgeCompletedRequest", "AcknowledgeCompletedResponse", "any (unfenced)", "Release a batch of completed results; the whole batch is validated before any is released."),
+        ("GET", "/agent-checkpoint/completion-receipt", "query `rollout_id`, `attempt_index`", "CompletionReceipt", "any (unfenced)", "The receipt of a completed attempt."),
+        ("POST", "/agent-checkpoint/prepare", "ControlRequest", "AgentStatus", "`idle` → `preparing` → `prepared`", "Close agent admission and wait, up to the deadline, until `ready_to_commit`."),
+        ("GET", "/agent-checkpoint/status", "query `checkpoint_id`", "AgentStatus", "any (stale and conflict checks apply)", "The status object, with `checkpoint_id`."),
+        ("POST", "/agent-checkpoint/commit", "CheckpointDirRequest", "AgentCommitResponse", "`prepared` → `committing` → `committed_paused`", "Write the agent's files (CONTROL §6.4)."),
+        ("POST", "/agent-checkpoint/restore", "CheckpointDirRequest", "AgentRestoreResponse", "`idle` → `restoring` → `restored_paused`", "Read them back: each record continues as attempt + 1, its source attempt tombstoned; admission closed until resume."),
+        ("POST", "/agent-checkpoint/resume", "ControlRequest", "AgentResumeResponse", "`idle`, `preparing`, `prepared`, `committed_paused`, `restored_paused` → `idle`", "Reopen admission; retire the id."),
+        ("POST", "/agent-checkpoint/retire", "AttemptRequest", "AgentRetireResponse", "`idle`, `preparing`, `prepared` (unfenced)", "Give an attempt up: retire and tombstone it, unless it completed with its result unacknowledged."),
+        ("POST", "/agent-checkpoint/discard-restored-continuation", "AttemptRequest", "DiscardResponse", "`restored_paused` (unfenced)", "Drop a restored continuation: the replacement attempt (source + 1) starts from the beginning."),
+    ],
+    "resources": [
+        ("POST", "/resources-checkpoint/prepare", "ControlRequest", "ResourcesPrepareResponse", "`idle` → `preparing` → `prepared`", "Close resources admission and export every bound session under its lock."),
+        ("GET", "/resources-checkpoint/status", "query `checkpoint_id`, `deadline_ts`", "ResourcesStatusResponse", "any but `idle` and `restore_failed_paused`", "Admission state, sessions and the prepared inventory."),
+        ("POST", "/resources-checkpoint/commit", "CheckpointDirRequest", "ResourcesCommitResponse", "`prepared` → `committing` → `committed_paused`", "Write one file per session, then the manifest (CONTROL §6.6)."),
+        ("POST", "/resources-checkpoint/restore", "CheckpointDirRequest", "ResourcesRestoreResponse", "`idle` → `restoring` → `restored_paused`", "Fresh process only; each session comes back as attempt + 1 with its mutation receipts."),
+        ("POST", "/resources-checkpoint/resume", "ControlRequest", "ResourcesResumeResponse", "`idle`, `prepared`, `committed_paused`, `restored_paused` → `idle`", "Reopen admission; retire the id."),
+        ("POST", "/resources-checkpoint/retire", "AttemptRequest", "ResourcesRetireResponse", "`preparing`, `prepared` (unfenced)", "Drop the attempt's session."),
+    ],
+}
 
 KIND_NOTES: dict[str, tuple[str, str, str]] = {
     # kind: (written by, conventional file name, section)
     "training_rows": ("TQ adapter", "`tq/training.arrow`", "Training rows"),
-    "token_capture_rows": ("policy model server (or TQ)", "`gym/model/<name>/tokens.arrow`", "Token-capture rows"),
+    "token_capture_rows": ("TQ adapter (format 1.0, 1.1: also the policy model server, `gym/model/<name>/tokens.arrow`)", "`tq/token_capture.arrow`", "Token-capture rows"),
     "dataplane_rows": ("TQ adapter", "`tq/dataplane.arrow`", "Data-plane rows"),
-    "continuations": ("agent server", "`gym/agent/<name>/continuations.jsonl[.zst]`", "Continuations"),
-    "agent_state": ("agent server", "`gym/agent/<name>/agent_state.jsonl[.zst]`", "Agent state"),
-    "model_ledger": ("policy model server", "`gym/model/<name>/ledger.jsonl[.zst]`", "Model ledger"),
-    "token_index": ("policy model server", "`gym/model/<name>/token_index.jsonl[.zst]`", "Token-storage index"),
-    "session_state": ("resource server", "`gym/resource/<name>/sessions.jsonl[.zst]`", "Session state"),
+    "continuations": ("agent server (format 1.0, 1.1)", "`gym/agent/<name>/continuations.jsonl[.zst]`", "Continuations"),
+    "agent_state": ("agent server (format 1.0, 1.1)", "`gym/agent/<name>/agent_state.jsonl[.zst]`", "Agent state"),
+    "model_ledger": ("policy model server (format 1.0, 1.1)", "`gym/model/<name>/ledger.jsonl[.zst]`", "Model ledger"),
+    "token_index": ("policy model server (format 1.0, 1.1)", "`gym/model/<name>/token_index.jsonl[.zst]`", "Token-storage index"),
+    "session_state": ("resource server (format 1.0, 1.1)", "`gym/resource/<name>/sessions.jsonl[.zst]`", "Session state"),
     "loader_place": ("Single Controller", "`controller/loader.json`", "Loader place"),
     "replay_index": ("Single Controller", "`controller/replay_index.jsonl[.zst]`", "Replay index"),
     "recovery_ledger": ("Single Controller", "`controller/recovery_ledger.jsonl[.zst]`", "Recovery ledger"),
-    "part_manifest": ("every participant", "`<prefix>/part-manifest.json`", "Part manifest"),
+    "part_manifest": ("every participant (for Gym's files: the publisher, adopting them)", "`<prefix>/part-manifest.json`", "Part manifest"),
+    "gym_file": ("a Gym server (adopted by the publisher)", "`gym/agent/instance-<sha>/…`, `gym/model-ledger/<name>/…`, `gym/resources/<name>/…`", "Gym's files"),
 }
-
 # --------------------------------------------------------------------------------------------
 # Examples: built from the structs, so they always decode
 # --------------------------------------------------------------------------------------------
@@ -170,19 +250,31 @@ def examples() -> dict[str, Any]:
 
 def record_examples() -> dict[str, Any]:
     sid = "snap-0000000002-4f1c9a7e"
+    # The policy model's Gym part (CONTROL §9): Gym's files, adopted as kind gym_file.
+    gym_files_ = gym_file_examples()
+    ledger = gym_files_["LedgerManifest"]
+    prefix, writer = f"gym/{gym_files.ledger_dir(_MODEL)}", f"responses_api_models:{_MODEL}"
+    lineage = b'{"model_call_id":"call-0"}\n{"model_call_id":"call-1"}\n'
+    refs = _line(gym_files_["ExternalStorageReference"])
+    manifest_bytes = gym_document(ledger)
     files = [
-        FileEntry(path="gym/model/policy0/tokens.arrow", kind="token_capture_rows", size=28714,
-                  checksum=_ck("tokens"), records=30, batches=1, writer="model:policy0"),
-        FileEntry(path="gym/model/policy0/ledger.jsonl.zst", kind="model_ledger", size=18233,
-                  checksum=_ck("ledger"), records=4096, compression="zstd", content_size=801234,
-                  writer="model:policy0"),
-        FileEntry(path="gym/model/policy0/part-manifest.json", kind="part_manifest", size=1013,
-                  checksum=_ck("part"), records=1, writer="model:policy0"),
+        FileEntry(path=f"{prefix}/group-7_g0.lineage.jsonl", kind="gym_file", size=len(lineage),
+                  checksum=checksum_bytes(lineage), records=2, writer=writer),
+        FileEntry(path=f"{prefix}/{gym_files.MANIFEST_NAME}", kind="gym_file", size=len(manifest_bytes),
+                  checksum=checksum_bytes(manifest_bytes), records=1, writer=writer),
+        FileEntry(path=f"{prefix}/{gym_files.STORAGE_REFERENCES_NAME}", kind="gym_file", size=len(refs),
+                  checksum=checksum_bytes(refs), records=1, writer=writer),
+        FileEntry(path=f"{prefix}/part-manifest.json", kind="part_manifest", size=1013,
+                  checksum=_ck("part"), records=1, writer=writer),
     ]
+    commit_reply = message_examples()["ModelCommitResponse"]
     gym = GymCommit(checkpoint_id="ckpt-2", participants=[
-        ParticipantCommit(component="model", name="policy0", part_prefix="gym/model/policy0",
-                          part_manifest_checksum=_ck("part"), payload={"rollouts": 9}),
+        ParticipantCommit(component="responses_api_models", name=_MODEL, part_prefix=prefix,
+                          part_manifest_checksum=_ck("part"), payload=msgspec.to_builtins(commit_reply)),
     ])
+    compressed = FileEntry(path="controller/replay_index.jsonl.zst", kind="replay_index", size=18233,
+                           checksum=_ck("replay"), records=4096, compression="zstd", content_size=801234,
+                           writer="controller")
     return {
         "StoreMarker": StoreMarker(),
         "CommitRecord": CommitRecord(format_version="1.0", sequence=2, snapshot_id=sid, manifest_size=5209,
@@ -190,17 +282,16 @@ def record_examples() -> dict[str, Any]:
         "LatestHint": LatestHint(sequence=2, snapshot_id=sid),
         "Manifest": Manifest(format_version="1.0", snapshot_id=sid, sequence=2, created_at=1796000120.5,
                              committed_at=1796000123.25, files=files, gym_commit=gym,
-                             topology_fingerprint="sha256:" + "ab" * 32,
+                             topology_fingerprint=manifest_fingerprint(topology_fingerprint(topology_contracts())),
                              parent=ParentRef(snapshot_id="snap-0000000001-0b3d2e11", sequence=1),
                              timings_s={"pause": 2.41, "publish": 0.02}, producer="snapformat 0.1.0"),
-        "FileEntry": files[1],
+        "FileEntry": compressed,
         "ParentRef": ParentRef(snapshot_id="snap-0000000001-0b3d2e11", sequence=1),
         "GymCommit": gym,
         "ParticipantCommit": gym.participants[0],
-        "PartManifest": PartManifest(format_version="1.0", snapshot_id=sid, prefix="gym/model/policy0",
-                                     writer="model:policy0", files=files[:2], written_at=1796000122.0),
-        "PartReceipt": PartReceipt(prefix="gym/model/policy0", writer="model:policy0",
-                                   part_manifest_checksum=_ck("part")),
+        "PartManifest": PartManifest(format_version="1.0", snapshot_id=sid, prefix=prefix,
+                                     writer=writer, files=files[:3], written_at=1796000122.0),
+        "PartReceipt": PartReceipt(prefix=prefix, writer=writer, part_manifest_checksum=_ck("part")),
         "AgentContinuationRoot": AgentContinuationRoot(
             rollout_id="p7_g2", attempt_index=0, capture_key="p7_g2", last_committed_model_call_id="call-2",
             resource_state_revisions={"tools": 3}),
@@ -227,54 +318,209 @@ def record_examples() -> dict[str, Any]:
     }
 
 
-#: The three reference servers (``refgym``), as their capabilities describe them.
-REFERENCE_CAPABILITIES = [
-    Capabilities(component="model", name="policy0", checkpoint_mode="export_restore"),
-    Capabilities(component="agent", name="agent0", checkpoint_mode="export_restore"),
-    Capabilities(component="resource", name="tools", checkpoint_mode="export_restore", restart_only_resources=["sandbox"]),
-]
+# --------------------------------------------------------------------------------------------
+# Examples of CONTROL.md: values from the reference's examples (Gym's and NeMo-RL's tests) where it
+# gives them; every digest, size and count is computed from the bytes it describes
+# --------------------------------------------------------------------------------------------
+
+_DEADLINE = 1796000420.0
+_CKPT = "ckpt-2"
+_AGENT, _MODEL, _TOOLS = "simple_agent", "policy_model", "durable-tools"
+_AGENT_DIR = gym_files.agent_instance_dir(_AGENT)
 
 
-def message_examples() -> dict[str, Any]:
-    draft = "s3://rl-snapshots/run-17/snapshots/snap-0000000002-4f1c9a7e"
-    agent_part = PartReceipt(prefix="gym/agent/agent0", writer="agent:agent0", part_manifest_checksum=_ck("agent part"))
-    model_part = PartReceipt(prefix="gym/model/policy0", writer="model:policy0", part_manifest_checksum=_ck("part"))
-    deadline = 1796000420.0
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _line(value: Any) -> bytes:
+    """One JSON-lines row as Gym writes it: compact, declaration order, then ``\\n``."""
+    return msgspec.json.encode(value) + b"\n"
+
+
+def _ref(relative_path: str, rows: list[Any]) -> ArtifactRef:
+    data = b"".join(_line(r) for r in rows)
+    return ArtifactRef(relative_path=relative_path, sha256=_sha(data), records=len(rows), bytes=len(data))
+
+
+#: How Gym serializes each JSON document it writes: (sort_keys, indent).
+DOCUMENT_STYLES: dict[str, tuple[bool, int]] = {
+    "AgentManifest": (True, 2), "LedgerManifest": (True, 1), "ResourcesManifest": (True, 2),
+    "AgentBoundaryRecord": (False, 2), "ResourceSnapshot": (False, 2),
+}
+
+
+def gym_document(value: Any) -> bytes:
+    """A Gym JSON document's bytes (CONTROL.md §6.2): ``json.dumps`` with Gym's indent, manifests
+    with sorted keys, records in declaration order; no final newline."""
+    sort_keys, indent = DOCUMENT_STYLES[type(value).__name__]
+    return json.dumps(msgspec.to_builtins(value), sort_keys=sort_keys, indent=indent).encode()
+
+
+def result_digest(result: Any) -> str:
+    """The completion receipt's ``result_digest`` (CONTROL.md §7)."""
+    return _sha(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+
+
+def gym_file_examples() -> dict[str, Any]:
+    root = AgentContinuationRoot(rollout_id="group-7_g0", attempt_index=0, capture_key="group-7_g0",
+                                 last_committed_model_call_id="call-1",
+                                 resource_state_revisions={_TOOLS: 2})
+    continuation_index = _ref(f"{_AGENT_DIR}/{gym_files.CONTINUATIONS_NAME}", [root])
+    record = AgentBoundaryRecord(
+        rollout_id="group-7_g0", attempt_index=0, boundary_index=1, turn_index=1, boundary_kind="turn_complete",
+        output_items=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}],
+        usage={"input_tokens": 57, "output_tokens": 12}, last_committed_model_call_id="call-1",
+        resource_state_revisions={_TOOLS: 2}, agent_state={"turns": 2}, created_at=1796000100.0)
+    member = gym_document(record)
+    index_entry = AgentIndexEntry(rollout_id="group-7_g0", attempt_index=0, archive=gym_files.agent_archive_name(0),
+                                  member=gym_files.attempt_member("group-7_g0", 0), sha256=_sha(member),
+                                  bytes=len(member))
+    archive = AgentArchive(name=gym_files.agent_archive_name(0), sha256=_sha(b"the archive's bytes"), members=1,
+                           bytes=10240)
+    agent_manifest = AgentManifest(
+        checkpoint_id=_CKPT, instance_name=_AGENT, archives=[archive],
+        record_index=_ref(f"{_AGENT_DIR}/{gym_files.AGENT_INDEX_NAME}", [index_entry]), records=1,
+        continuation_index=continuation_index)
+    storage_ref = ExternalStorageReference(capture_key="group-7_g0", boundary_model_call_id="call-1",
+                                           key="token-capture/group-7_g0/call-1")
+    roots = [msgspec.to_builtins(root)]
+    lineage = b'{"model_call_id":"call-0"}\n{"model_call_id":"call-1"}\n'  # Gym's lineage rows, abridged
+    ledger = LedgerManifest(
+        checkpoint_id=_CKPT, server_name=_MODEL,
+        rollouts={"group-7_g0": LedgerRollout(files={"group-7_g0.lineage.jsonl": _sha(lineage)}, rows=2,
+                                              bytes=len(lineage))},
+        continuation_roots_sha256=_sha(json.dumps(roots, sort_keys=True, separators=(",", ":")).encode()),
+        continuation_roots=1, excluded_inactive=0,
+        storage_reference_index=_ref(f"{gym_files.ledger_dir(_MODEL)}/{gym_files.STORAGE_REFERENCES_NAME}",
+                                     [storage_ref]),
+        tombstones=[], source_attempts=[AttemptEntry(rollout_id="group-7_g0", attempt_index=0)])
+    body = b'{"ok":true,"revision":2}'
+    receipt = MutationReceipt(request_id="req-7", expected_revision=1, input_digest=_sha(b'{"write":"notes.txt"}'),
+                              status=200, headers=[("content-type", "application/json")],
+                              body_base64=base64.b64encode(body).decode(), resulting_revision=2)
+    snapshot = ResourceSnapshot(rollout_id="group-7_g0", attempt_index=0, state_revision=2,
+                                state={"files": {"notes.txt": "turn 2"}}, mutation_receipts=[receipt],
+                                created_at=1796000100.0)
+    resources = ResourcesManifest(checkpoint_id=_CKPT, server_name=_TOOLS,
+                                  files={gym_files.attempt_member("group-7_g0", 0): _sha(gym_document(snapshot))})
     return {
-        "Capabilities": REFERENCE_CAPABILITIES[2],
-        "Concurrency": Concurrency(max_in_flight=64, multi_process="single"),
-        "ControlRequest": ControlRequest(checkpoint_id="ckpt-2", deadline=deadline),
-        "CommitRequest": CommitRequest(checkpoint_id="ckpt-2", deadline=deadline, draft_url=draft,
-                                       part_prefix="gym/model/policy0", continuations=[agent_part]),
-        "CommitResponse": CommitResponse(checkpoint_id="ckpt-2", phase="committed_paused", part=model_part,
-                                         payload={"calls": 24, "rollouts": 9}),
-        "RestoreRequest": RestoreRequest(
-            checkpoint_id="restore-3", deadline=deadline,
-            snapshot_url="s3://rl-snapshots/run-17/snapshots/snap-0000000002-4f1c9a7e", saved_checkpoint_id="ckpt-2",
-            part_prefix="gym/agent/agent0", topology_fingerprint=_reference_topology()),
-        "RestoreResponse": RestoreResponse(checkpoint_id="restore-3", phase="restored_paused", payload={
-            "continuations": [{"rollout_id": "p7_g2", "attempt_index": 1, "capture_key": "p7_g2-a1",
-                               "after_call": "call-2", "restart_only": []}],
-            "finished_unacked": [{"rollout_id": "p7_g1", "attempt_index": 0}]}),
-        "RolloutRef": RolloutRef(rollout_id="p7_g1", attempt_index=0),
-        "AcknowledgeRequest": AcknowledgeRequest(results=[RolloutRef(rollout_id="p7_g1", attempt_index=0)]),
-        "DiscardRequest": DiscardRequest(checkpoint_id="restore-3", deadline=deadline,
-                                         rollouts=[RolloutRef(rollout_id="p7_g3", attempt_index=1)]),
-        "PhaseResponse": PhaseResponse(checkpoint_id="ckpt-2", phase="prepared", admission="paused", in_flight=0),
-        "ControlError": ControlError(error="conflicting_checkpoint",
-                                     reason="checkpoint 'ckpt-2' is in progress; 'ckpt-3' refused",
-                                     phase="prepared", checkpoint_id="ckpt-3"),
+        "ArtifactRef": continuation_index, "AgentArchive": archive, "AgentManifest": agent_manifest,
+        "AgentIndexEntry": index_entry,
+        "PendingModel": PendingModel(model_call_id="call-2", response={"id": "resp_2", "output": []},
+                                     usage={"input_tokens": 80, "output_tokens": 9}),
+        "AgentBoundaryRecord": record,
+        "LedgerRollout": ledger.rollouts["group-7_g0"], "AttemptEntry": ledger.source_attempts[0],
+        "LedgerManifest": ledger, "ExternalStorageReference": storage_ref,
+        "MutationReceipt": receipt, "ResourceSnapshot": snapshot, "ResourcesManifest": resources,
     }
 
 
-def _reference_topology() -> str:
-    return topology_fingerprint([c.contract() for c in REFERENCE_CAPABILITIES])
+def message_examples() -> dict[str, Any]:
+    files = gym_file_examples()
+    continuation_index = files["ArtifactRef"]
+    storage_index = files["LedgerManifest"].storage_reference_index
+    result = {"id": "resp_0f3a", "reward": 1.0}
+    receipt = CompletionReceipt(rollout_id="group-7_g1", attempt_index=0, execution_generation=1,
+                                result_identity=str(result["id"]), result_digest=result_digest(result))
+    running = Execution(rollout_id="rollout-a", attempt_index=0, generation=1, state="running",
+                        resource_state_revisions={}, age_seconds=0.01)
+    status = AgentStatus(checkpoint_id="checkpoint-1", state="preparing", ready_to_commit=False, running=1,
+                         active=1, blocking_attempts=[running], executions=[running])
+    inventory = InventoryEntry(rollout_id="group-7_g0", attempt_index=0, revision=2, mutation_receipts=1)
+    error = ErrorBody(code="checkpoint_conflict", detail="checkpoint 'checkpoint-1' is active; 'checkpoint-2' refused")
+    draft_gym = "/data/rl-snapshots/snapshots/snap-0000000002-4f1c9a7e/gym"
+    return {
+        "ControlRequest": ControlRequest(checkpoint_id=_CKPT, deadline_ts=_DEADLINE),
+        "CheckpointDirRequest": CheckpointDirRequest(checkpoint_id=_CKPT, deadline_ts=_DEADLINE,
+                                                     checkpoint_dir=draft_gym),
+        "ModelCommitRequest": ModelCommitRequest(checkpoint_id=_CKPT, deadline_ts=_DEADLINE, checkpoint_dir=draft_gym,
+                                                 continuation_indexes=[continuation_index]),
+        "AttemptRequest": AttemptRequest(checkpoint_id="checkpoint-1", deadline_ts=_DEADLINE, rollout_id="rollout-a",
+                                         attempt_index=0),
+        "CompletionReceipt": receipt,
+        "AcknowledgeCompletedRequest": AcknowledgeCompletedRequest(executions=[receipt]),
+        "MultiProcess": MultiProcess(mode="single_worker", num_workers=1),
+        # the stateless resources server of Gym's test_checkpoint_control.py (the reference's examples)
+        "Capabilities": Capabilities(component="resources_servers", name="resources",
+                                     multi_process=MultiProcess(mode="single_worker", num_workers=1)),
+        "AttemptRef": AttemptRef(rollout_id="group-7_g0", attempt_index=0),
+        "Workers": Workers(acknowledged=1, expected=1),
+        "WorkerState": WorkerState(state="draining", inflight=1),
+        "InflightCall": InflightCall(rollout_id="group-7_g2", attempt_index=0, plane="model", age_seconds=0.42),
+        "ModelPauseResponse": ModelPauseResponse(state="paused", workers=Workers(acknowledged=1, expected=1),
+                                                 inflight_total=0, waiters_total=0),
+        "ModelStatusResponse": ModelStatusResponse(
+            checkpoint_id=_CKPT, state="draining", per_worker={"0": WorkerState(state="draining", inflight=1)},
+            inflight_total=1, waiters_total=0,
+            inflight=[InflightCall(rollout_id="group-7_g2", attempt_index=0, plane="model", age_seconds=0.42)],
+            tombstones=[]),
+        "ModelResumeResponse": ModelResumeResponse(state="accepting", workers=Workers(), released_waiters=0),
+        "AbortInflightResponse": AbortInflightResponse(state="draining", aborted_inflight=1, inflight_total=0),
+        "ModelCommitResponse": ModelCommitResponse(
+            rollouts=1, rows=2, excluded_tombstoned=0, excluded_inactive=0,
+            manifest_digest=_sha(gym_document(files["LedgerManifest"])), storage_reference_index=storage_index),
+        "ModelRestoreResponse": ModelRestoreResponse(
+            rollouts=1, rows=2, checkpoint_id=_CKPT, tombstones=[],
+            source_attempts=[AttemptRef(rollout_id="group-7_g0", attempt_index=0)],
+            storage_reference_index=storage_index),
+        "Execution": running,
+        "SelectedBoundary": SelectedBoundary(rollout_id="group-7_g0", attempt_index=0, boundary_index=1,
+                                             turn_index=1, boundary_kind="turn_complete",
+                                             resource_state_revisions={_TOOLS: 2}),
+        "AgentStatus": status,
+        "AcknowledgeResponse": AcknowledgeResponse(acknowledged=True, idempotent=False),
+        "AcknowledgeCompletedResponse": AcknowledgeCompletedResponse(acknowledged=[receipt]),
+        "AgentCommitResponse": AgentCommitResponse(records=1, manifest_digest=_sha(gym_document(files["AgentManifest"])),
+                                                   continuation_index=continuation_index),
+        "AgentRestoreResponse": AgentRestoreResponse(records=1, source_checkpoint_id=_CKPT,
+                                                     continuation_index=continuation_index),
+        "AgentResumeResponse": AgentResumeResponse(state="accepting", released=1),
+        "AgentRetireResponse": AgentRetireResponse(retired=True, tombstoned=True),
+        "DiscardResponse": DiscardResponse(discarded=True),
+        "InventoryEntry": inventory,
+        "ResourcesPrepareResponse": ResourcesPrepareResponse(sessions=1, state="prepared", inventory=[inventory]),
+        "ResourcesCommitResponse": ResourcesCommitResponse(
+            sessions=1, manifest_digest=_sha(gym_document(files["ResourcesManifest"]))),
+        "ResourcesRestoreResponse": ResourcesRestoreResponse(sessions=1, source_checkpoint_id=_CKPT),
+        "ResourcesResumeResponse": ResourcesResumeResponse(state="accepting"),
+        "ResourcesRetireResponse": ResourcesRetireResponse(retired=True, rollout_id="group-7_g3", attempt_index=0),
+        "ResourcesStatusResponse": ResourcesStatusResponse(
+            checkpoint_id=_CKPT, state="paused", admission_state="paused", sessions=1, per_session=[],
+            prepared_inventory=[inventory]),
+        "ErrorBody": error,
+        "ErrorEnvelope": ErrorEnvelope(error=error),
+        "DetailBody": DetailBody(detail=control.UNAUTHORIZED_DETAIL),
+        **files,
+    }
+
+
+#: The fixed three-server topology of the fingerprint vector (CONTROL.md §5): a policy model, a
+#: whitebox agent and a resources server, each a single worker, named by their Gym config keys.
+TOPOLOGY_CAPABILITIES: list[Capabilities] = [
+    Capabilities(component="responses_api_models", name=_MODEL, admission_states=["accepting", "draining", "paused"],
+                 checkpoint_mode="export_restore", concurrency_contract="transactional_parallel",
+                 multi_process=MultiProcess(mode="single_worker", num_workers=1), instance_role="policy",
+                 features=[control.FEATURE_STORAGE_REFERENCE_INDEX]),
+    Capabilities(component="responses_api_agents", name=_AGENT, checkpoint_mode="export_restore",
+                 concurrency_contract="serialized_per_session",
+                 multi_process=MultiProcess(mode="single_worker", num_workers=1),
+                 features=[control.FEATURE_COMPLETED_RESULT_ACK, control.FEATURE_CONTINUATION_INDEX]),
+    Capabilities(component="resources_servers", name=_TOOLS, checkpoint_mode="export_restore",
+                 concurrency_contract="serialized_per_session",
+                 multi_process=MultiProcess(mode="single_worker", num_workers=1)),
+]
+
+
+def topology_contracts() -> list[dict[str, Any]]:
+    return [c.contract(c.name) for c in TOPOLOGY_CAPABILITIES]
 
 
 #: Records stored one per line: their example is shown as the exact line.
 LINE_RECORDS = {
     "AgentContinuationRoot", "AgentStateRecord", "ModelLedgerEntry", "TokenIndexEntry", "SessionStateRecord",
     "ReplayIndexEntry", "PromptGroup", "RolloutAttempt", "AckOwed", "LatestHint", "PartReceipt",
+    "AgentIndexEntry", "ExternalStorageReference",
 }
 
 STRUCTS: dict[str, type] = {
@@ -286,13 +532,19 @@ STRUCTS: dict[str, type] = {
     "PromptGroup": PromptGroup, "RolloutAttempt": RolloutAttempt, "AckOwed": AckOwed,
 }
 
-#: The control protocol's messages (``schemas.jsonschema.CONTROL_MESSAGES``) and the structs nested in them.
-MESSAGES: dict[str, type] = {**CONTROL_MESSAGES, "Concurrency": Concurrency, "RolloutRef": RolloutRef}
+
+def _module_structs(module: Any) -> dict[str, type]:
+    """Every struct a module defines, in definition order."""
+    return {name: obj for name, obj in vars(module).items()
+            if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__}
+
+
+#: CONTROL.md's tables: every struct of ``schemas/control.py`` and ``schemas/gym_files.py``.
+MESSAGES: dict[str, type] = {**_module_structs(control), **_module_structs(gym_files)}
 
 
 def _struct(name: str) -> type:
     return STRUCTS[name] if name in STRUCTS else MESSAGES[name]
-
 # --------------------------------------------------------------------------------------------
 # Rendering
 # --------------------------------------------------------------------------------------------
@@ -300,6 +552,12 @@ def _struct(name: str) -> type:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _own(text: str) -> str:
+    """Text written in the code as "CONTROL §N" (so the code's references resolve), as CONTROL.md
+    itself says it: "§N"."""
+    return text.replace("CONTROL §", "§")
 
 
 def render_type(t: Any) -> str:
@@ -339,9 +597,19 @@ def render_type(t: Any) -> str:
     if isinstance(t, mi.DictType):
         key = "name" if isinstance(t.key_type, mi.StrType) and t.key_type.min_length == 1 else "string"
         return f"object ({key} -> {render_type(t.value_type)})"
+    if isinstance(t, mi.TupleType):
+        return "array [" + ", ".join(render_type(m) for m in t.item_types) + "]"
     if isinstance(t, mi.StructType):
         return f"`{t.cls.__name__}` object"
     raise TypeError(f"no rendering for {t!r}")
+
+
+def _required(field: mi.Field) -> str:
+    if field.required:
+        return "yes"
+    if field.default is mi.NODEFAULT and field.default_factory is mi.NODEFAULT:
+        return "no (absent unless it applies)"
+    return f"no (default `{_default(field)}`)"
 
 
 def _default(field: mi.Field) -> str:
@@ -357,22 +625,18 @@ def _unwrap(t: Any) -> Any:
     return t.type if isinstance(t, mi.Metadata) else t
 
 
-def description(t: Any) -> str | None:
-    """The ``msgspec.Meta(description=...)`` of a field's type, if any."""
-    return (t.extra_json_schema or {}).get("description") if isinstance(t, mi.Metadata) else None
-
-
 def record_table(name: str) -> str:
-    info = mi.type_info(_struct(name))
+    cls = _struct(name)
+    info = mi.type_info(cls)
     rows = []
     if info.tag_field is not None:
         rows.append((info.tag_field, f'`"{info.tag}"`', "yes", f"Record type tag: `{info.tag}`."))
     for f in info.fields:
-        required = "yes" if f.required else f"no (default `{_default(f)}`)"
-        rows.append((f.encode_name, render_type(f.type), required, description(f.type)))
+        rows.append((f.encode_name, render_type(f.type), _required(f), field_meaning(cls, f)))
     missing = [r[0] for r in rows if not r[3]]
     if missing:
-        raise SystemExit(f"render_spec_schemas: {name}: fields without a description (msgspec.Meta) {missing}")
+        raise SystemExit(f"render_spec_schemas: {name}: fields without a meaning (msgspec.Meta or "
+                         f"FIELD_MEANINGS) {missing}")
     out = ["| field | type | required | meaning |", "|---|---|---|---|"]
     out += [f"| `{f}` | {_cell(t)} | {_cell(r)} | {_cell(m)} |" for f, t, r, m in rows]
     return "\n".join(out)
@@ -383,7 +647,12 @@ def record_example(name: str) -> str:
     assert type(value) is _struct(name)
     raw = msgspec.json.encode(value)
     msgspec.json.decode(raw, type=_struct(name))  # the example is valid by construction; keep it so
-    text = raw.decode() if name in LINE_RECORDS else msgspec.json.format(raw, indent=2).decode()
+    if name in LINE_RECORDS:
+        text = raw.decode()
+    elif name in DOCUMENT_STYLES:
+        text = gym_document(value).decode()
+    else:
+        text = msgspec.json.format(raw, indent=2).decode()
     return f"```json\n{text}\n```"
 
 
@@ -415,9 +684,12 @@ def columns_block(kind: str) -> str:
 
 def kinds_block() -> str:
     out = ["| kind | storage | record / schema | written by | conventional path |", "|---|---|---|---|---|"]
-    for kind in typing.get_args(FileKind):
+    for kind in (*typing.get_args(FileKind), *sorted(GYM_KINDS)):
         storage = storage_of(kind)
-        if storage == "rows":
+        if storage == "gym":
+            what = "a file of Gym's own layout, bound by Gym's `manifest.json`"
+            how = "Gym's bytes, as written"
+        elif storage == "rows":
             what = "the columns of its table"
             how = "Arrow IPC file"
         elif storage == "jsonl":
@@ -468,8 +740,8 @@ def constants_block() -> str:
 
 def vectors_block() -> str:
     from schemas.token_entry import token_digest
-    from snapformat.example import CONTRACTS
 
+    hex_digest = topology_fingerprint(topology_contracts())
     rows = [
         ("capture key of (`p7_g2`, 0)", f"`{identity.capture_key('p7_g2', 0)}`"),
         ("capture key of (`p7_g2`, 1)", f"`{identity.capture_key('p7_g2', 1)}`"),
@@ -483,18 +755,18 @@ def vectors_block() -> str:
         ("checksum of the empty file", f"`{checksum_bytes(b'')}`"),
         ("checksum of the 11 bytes `snapformat\\n`", f"`{checksum_bytes(b'snapformat' + bytes([10]))}`"),
         ("`sha256` checksum of the same 11 bytes", f"`{checksum_bytes(b'snapformat' + bytes([10]), 'sha256')}`"),
-        ("topology fingerprint of the example contracts below", f"`{topology_fingerprint(CONTRACTS)}`"),
+        ("topology fingerprint of the three-server topology of CONTROL §5, as a manifest keeps it",
+         f"`{manifest_fingerprint(hex_digest)}`"),
     ]
     out = ["| input | value |", "|---|---|"]
     out += [f"| {a} | {_cell(b)} |" for a, b in rows]
-    canonical = canonical_json(sorted(CONTRACTS, key=lambda c: (c["component"], c["name"])))
-    out += ["", "The example contracts, in canonical form (these exact bytes are hashed):", "",
-            "```json", canonical.decode(), "```"]
+    out += ["", "The document hashed for that fingerprint, in canonical form (these exact bytes are hashed):", "",
+            "```json", fingerprint_document().decode(), "```"]
     return "\n".join(out)
 
 
 # --------------------------------------------------------------------------------------------
-# The checkpoint control protocol
+# Gym's checkpoint control protocol
 # --------------------------------------------------------------------------------------------
 
 
@@ -517,73 +789,62 @@ def _nested_structs(t: Any, seen: set[type]) -> None:
 
 
 def check_messages_documented() -> None:
-    """Every struct a control message contains has a table in the spec (as a message or a record)."""
+    """Every struct a control message or Gym file contains has a table in the spec (as a message or a record)."""
     seen: set[type] = set()
-    for typ in CONTROL_MESSAGES.values():
+    for typ in (*CONTROL_MESSAGES.values(), *GYM_FILES.values()):
         _nested_structs(mi.type_info(typ), seen)
     missing = sorted(c.__name__ for c in seen if c.__name__ not in MESSAGES and c.__name__ not in STRUCTS)
     if missing:
         raise SystemExit(f"render_spec_schemas: control structs without a table: {missing}")
 
 
-def registered_routes() -> set[tuple[str, str]]:
-    """(method, path) of every route ``gymkit`` mounts, from a router built around a trivial participant."""
-    from gymkit import ControlPlane, Participant
-
-    class Trivial(Participant):
-        def capabilities(self) -> Capabilities:
-            return Capabilities(component="agent", name="trivial", checkpoint_mode="stateless")
-
-        async def prepare(self, deadline: float) -> None: ...
-        async def commit(self, part: Any, context: dict[str, Any]) -> dict[str, Any]: return {}
-        async def restore(self, snapshot: Any, prefix: str) -> dict[str, Any]: return {}
-        async def resume(self) -> None: ...
-
-    out = set()
-    for route in ControlPlane(Trivial(), "token").router().routes:
-        for method in sorted(route.methods - {"HEAD"}):  # type: ignore[attr-defined]
-            out.add((method, route.path))  # type: ignore[attr-defined]
-    return out
+def documented_routes() -> set[tuple[str, str]]:
+    """(method, full path) of every route the spec documents."""
+    return {(m, control.CONTROL_PREFIX + p) for family in ROUTES.values() for m, p, *_ in family}
 
 
-def _literal_values(t: Any) -> list[str]:
-    return list(typing.get_args(t))
-
-
-def control_routes_block() -> str:
-    documented = {(m, control.CONTROL_PREFIX + p) for m, p, *_ in ROUTES}
-    registered = registered_routes()
-    if documented != registered:
-        raise SystemExit(f"render_spec_schemas: routes registered but not documented {sorted(registered - documented)}, "
-                         f"documented but not registered {sorted(documented - registered)}")
-    out = ["| method and path | request | answer (200) | phases allowed | what it does |", "|---|---|---|---|---|"]
-    for method, path, req, resp, phases, what in ROUTES:
+def control_routes_block(family: str) -> str:
+    out = ["| method and path | request | reply (200) | phases | what it does |", "|---|---|---|---|---|"]
+    for method, path, req, resp, phases, what in ROUTES[family]:
         for name in (req, resp):
-            if name and name[0].isupper() and name not in MESSAGES and name != "JSON object":
+            if name and name[0].isupper() and name not in MESSAGES:
                 raise SystemExit(f"render_spec_schemas: route {path}: unknown message {name!r}")
-        req_cell = f"`{req}`" if req in MESSAGES else (req or "none")
+        req_cell = f"`{req}`" if req in MESSAGES else req
         resp_cell = f"`{resp}`" if resp in MESSAGES else resp
         out.append(f"| `{method} {control.CONTROL_PREFIX}{path}` | {_cell(req_cell)} | {_cell(resp_cell)} | "
-                   f"{_cell(phases)} | {_cell(what)} |")
+                   f"{_cell(phases)} | {_cell(_own(what))} |")
     return "\n".join(out)
 
 
 def control_phases_block() -> str:
-    phases = _literal_values(control.Phase)
-    admissions = set(_literal_values(control.Admission))
-    if list(PHASE_MEANINGS) != phases or any(a not in admissions for a, _ in PHASE_MEANINGS.values()):
-        raise SystemExit(f"render_spec_schemas: PHASE_MEANINGS must cover exactly {phases} in order")
-    out = ["| phase | admission | meaning |", "|---|---|---|"]
-    out += [f"| `{p}` | `{a}` | {_cell(m)} |" for p, (a, m) in PHASE_MEANINGS.items()]
+    if tuple(PHASE_MEANINGS) != control.PHASES or control.PHASES != typing.get_args(control.Phase):
+        raise SystemExit(f"render_spec_schemas: PHASE_MEANINGS must cover exactly {control.PHASES} in order")
+    out = ["| phase | entered by | meaning |", "|---|---|---|"]
+    out += [f"| `{p}` | {_cell(by)} | {_cell(_own(m))} |" for p, (by, m) in PHASE_MEANINGS.items()]
     return "\n".join(out)
 
 
+def _codes() -> dict[str, list[str]]:
+    """Every error code, in first-seen order, with the owners that send it."""
+    owners: dict[str, list[str]] = {}
+    for owner, codes in control.ERROR_CODES.items():
+        for code in codes:
+            owners.setdefault(code, []).append(owner)
+    for code in control.COORDINATOR_ONLY_CODES:
+        owners.setdefault(code, []).append("model (NeMo-RL's coordinator)")
+    return owners
+
+
 def control_errors_block() -> str:
-    codes = _literal_values(typing.get_type_hints(ControlError)["error"])
-    if list(ERROR_MEANINGS) != codes:
-        raise SystemExit(f"render_spec_schemas: ERROR_MEANINGS must cover exactly {codes} in order")
-    out = ["| `error` | HTTP status | meaning |", "|---|---|---|"]
-    out += [f"| `{code}` | {status} | {_cell(m)} |" for code, (status, m) in ERROR_MEANINGS.items()]
+    owners = _codes()
+    if set(ERROR_MEANINGS) != set(owners):
+        raise SystemExit(f"render_spec_schemas: ERROR_MEANINGS must cover exactly {sorted(owners)}; "
+                         f"missing {sorted(set(owners) - set(ERROR_MEANINGS))}, "
+                         f"unknown {sorted(set(ERROR_MEANINGS) - set(owners))}")
+    out = ["| `code` | sent by | HTTP status | meaning |", "|---|---|---|---|"]
+    for code, who in owners.items():
+        status, meaning = ERROR_MEANINGS[code]
+        out.append(f"| `{code}` | {', '.join(who)} | {status} | {_cell(meaning)} |")
     return "\n".join(out)
 
 
@@ -593,35 +854,74 @@ def spec_pattern(pattern: str) -> str:
     return pattern.removesuffix(r"(?![\s\S])")
 
 
-def _checkpoint_id_pattern() -> str:
-    t = next(f.type for f in mi.type_info(ControlRequest).fields if f.name == "checkpoint_id")
-    return spec_pattern(_unwrap(t).pattern)
+def _field_type(struct: type, name: str) -> Any:
+    return _unwrap(next(f.type for f in mi.type_info(struct).fields if f.name == name))
 
 
 def control_constants_block() -> str:
-    from gymkit import control_plane
-
+    gym_id = _field_type(ControlRequest, "checkpoint_id")
+    headers = [(n, getattr(control, n)) for n in dir(control) if n.startswith("HEADER_")]
+    features = [(n, getattr(control, n)) for n in dir(control) if n.startswith("FEATURE_")]
     rows = [
         ("base path", f"`{control.CONTROL_PREFIX}`", "`CONTROL_PREFIX`"),
-        ("protocol version (`Capabilities.schema_version`)", str(control.CONTROL_SCHEMA_VERSION), "`CONTROL_SCHEMA_VERSION`"),
-        ("largest request body", f"{control.MAX_BODY_BYTES:,} bytes (1 MiB)", "`MAX_BODY_BYTES`"),
-        ("checkpoint id", f"matches `{_checkpoint_id_pattern()}`", "`CheckpointId`"),
-        ("answers and ended ids the reference remembers", f"the last {control_plane._MAX_REMEMBERED}", "`gymkit` `_MAX_REMEMBERED`"),
-        ("longest status long poll", "60 s", "`ControlPlane.wait_prepared`"),
+        ("control schema version", str(control.CONTROL_SCHEMA_VERSION), "`CONTROL_SCHEMA_VERSION`"),
+        ("401 body's `detail`", f"`{control.UNAUTHORIZED_DETAIL}`", "`UNAUTHORIZED_DETAIL`"),
+        ("checkpoint id, rollout id",
+         f"{gym_id.min_length}..{gym_id.max_length} characters matching `{spec_pattern(gym_id.pattern)}`",
+         "`GymId`"),
+        ("largest request body our servers accept (not Gym's)", f"{control.MAX_BODY_BYTES:,} bytes (1 MiB)",
+         "`MAX_BODY_BYTES`"),
+        ("fingerprint document's `schema_version`", str(topology.FINGERPRINT_SCHEMA_VERSION),
+         "`FINGERPRINT_SCHEMA_VERSION`"),
+        ("Gym manifests' `schema_version`", str(gym_files.GYM_FILES_SCHEMA_VERSION), "`GYM_FILES_SCHEMA_VERSION`"),
+        ("most members of an agent archive", f"{gym_files.AGENT_ARCHIVE_MAX_MEMBERS}", "`AGENT_ARCHIVE_MAX_MEMBERS`"),
+        ("largest payload of an agent archive", f"{gym_files.AGENT_ARCHIVE_MAX_BYTES:,} bytes (64 MiB)",
+         "`AGENT_ARCHIVE_MAX_BYTES`"),
+        ("folders in `checkpoint_dir`", ", ".join(f"`{d}/`" for d in (gym_files.AGENT_DIR, gym_files.LEDGER_DIR,
+                                                                      gym_files.RESOURCES_DIR)),
+         "`AGENT_DIR`, `LEDGER_DIR`, `RESOURCES_DIR`"),
+        ("file names", ", ".join(f"`{n}`" for n in (gym_files.MANIFEST_NAME, gym_files.CONTINUATIONS_NAME,
+                                                    gym_files.AGENT_INDEX_NAME, gym_files.STORAGE_REFERENCES_NAME)),
+         "`MANIFEST_NAME`, `CONTINUATIONS_NAME`, `AGENT_INDEX_NAME`, `STORAGE_REFERENCES_NAME`"),
+        ("agent folder of the instance `simple_agent`", f"`{gym_files.agent_instance_dir('simple_agent')}`",
+         "`agent_instance_dir`"),
     ]
+    rows += [(f"header ({n.removeprefix('HEADER_').lower().replace('_', ' ')})", f"`{v}`", f"`{n}`")
+             for n, v in headers]
+    rows += [(f"feature ({n.removeprefix('FEATURE_').lower().replace('_', ' ')})", f"`{v}`", f"`{n}`")
+             for n, v in features]
     out = ["| constant | value | in the code |", "|---|---|---|"]
     out += [f"| {a} | {_cell(b)} | {c} |" for a, b, c in rows]
     return "\n".join(out)
 
 
+def fingerprint_document() -> bytes:
+    """The canonical bytes NeMo-RL hashes for the topology of :data:`TOPOLOGY_CAPABILITIES`."""
+    contracts = sorted(topology_contracts(), key=lambda c: (c["participant"]["component"],
+                                                            c["participant"]["server_name"],
+                                                            c["participant"]["participant_name"]))
+    return canonical_json({"schema_version": topology.FINGERPRINT_SCHEMA_VERSION,
+                           "participants": [{k: v for k, v in c.items() if k != "features"} for c in contracts]})
+
+
 def control_topology_block() -> str:
-    contracts = [c.contract() for c in REFERENCE_CAPABILITIES]
-    ordered = sorted(contracts, key=lambda c: (c["component"], c["name"]))
+    contracts = topology_contracts()
+    hex_digest = topology_fingerprint(contracts)
+    live = [msgspec.structs.replace(c, phase="prepared", active_checkpoint_id=_CKPT, deadline_ts=_DEADLINE,
+                                    features=[])
+            for c in TOPOLOGY_CAPABILITIES]
+    same = topology_fingerprint([c.contract(c.name) for c in live])
+    if same != hex_digest:
+        raise SystemExit("render_spec_schemas: live state or features changed the topology fingerprint")
+    names = ", ".join(f"`{c.component}/{c.name}`" for c in TOPOLOGY_CAPABILITIES)
     out = ["| input | value |", "|---|---|",
-           f"| topology fingerprint of the reference servers (`model/policy0`, `agent/agent0`, `resource/tools` "
-           f"with restart-only `sandbox`) | `{topology_fingerprint(contracts)}` |",
-           "", "Their contracts, in canonical form (these exact bytes are hashed):", "",
-           "```json", canonical_json(ordered).decode(), "```"]
+           f"| topology fingerprint of {names} (NeMo-RL's bare hex) | `{hex_digest}` |",
+           f"| the same in a snapshot manifest's `topology_fingerprint` | `{manifest_fingerprint(hex_digest)}` |",
+           "| the same with every server `prepared` under an active id, and no features | the same hex |",
+           "", "Their contracts (step 1, as `Capabilities.contract()` builds them, features included):", "",
+           "```json", msgspec.json.format(msgspec.json.encode(contracts), indent=2).decode(), "```",
+           "", "The document hashed (steps 2 to 4; these exact bytes):", "",
+           "```json", fingerprint_document().decode(), "```"]
     return "\n".join(out)
 
 
@@ -638,10 +938,11 @@ def spec_blocks() -> dict[str, str]:
 
 
 def control_blocks() -> dict[str, str]:
-    """The generated blocks of CONTROL.md (the checkpoint control protocol)."""
+    """The generated blocks of CONTROL.md (Gym's checkpoint control protocol)."""
     check_messages_documented()
     out = {f"message:{name}": record_block(name) for name in MESSAGES}
-    out["control:routes"] = control_routes_block()
+    for family in ROUTES:
+        out[f"control:routes:{family}"] = control_routes_block(family)
     out["control:phases"] = control_phases_block()
     out["control:errors"] = control_errors_block()
     out["control:constants"] = control_constants_block()

@@ -22,6 +22,7 @@ from coordinator.checkpoint.outcomes import RestoreOutcome, SaveOutcome, SaveRep
 from coordinator.checkpoint.seams import RecordsSource, Seams
 from coordinator.checkpoint.writer import BackgroundWriter
 from coordinator.workload import Workload
+from gymkit.gym_fleet import Topology
 
 
 class Checkpointer:
@@ -29,15 +30,15 @@ class Checkpointer:
 
     def __init__(self, seams: Seams) -> None:
         self.seams = seams
-        self._history = SaveHistory(seams.config.max_consecutive_failures)
+        self._history = SaveHistory(seams.config.rollout_checkpointing.max_consecutive_failures)
         self._writer = BackgroundWriter(partial(save_steps.finish_write, seams), self._history.record)
 
-    def restore(self, workload: Workload, fingerprint: str) -> RestoreOutcome | None:
-        """Restore from the newest usable snapshot of topology ``fingerprint`` (Gym is resumed when
+    def restore(self, workload: Workload, topology: Topology) -> RestoreOutcome | None:
+        """Restore from the newest usable snapshot of the running ``topology`` (Gym is resumed when
         this returns); None when the store holds none (start fresh). Raises
         :class:`~schemas.errors.TopologyMismatchError` for another topology and
         :class:`~coordinator.errors.RestoreError` when no snapshot could be restored."""
-        return restore_steps.restore(self.seams, workload, fingerprint)
+        return restore_steps.restore(self.seams, workload, topology)
 
     def save(self, source: RecordsSource, fingerprint: str) -> SaveOutcome:
         """One save attempt now; the caller holds its loop (no rollout sent, no row put) until this returns.

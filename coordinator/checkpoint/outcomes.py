@@ -57,7 +57,6 @@ class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
     skipped: list[str] = []  # snapshots found unusable, newest first, with why
     steps_s: dict[str, float] = {}
     continued: list[Continued] = []
-    finished_unacked: int = 0
     acks_resent: int = 0
     rows: dict[str, int] = {}
 

@@ -1,8 +1,15 @@
 """Saving a rollout snapshot: the design note's steps 1-5, each timed, each a named boundary.
 
 1. Stop sending rollouts (the caller holds the controller's loop, so nothing is sent) and flush the
-   acknowledgements of stored results; prepare Gym within ``prepare_timeout_s``.
-2. Gym commits its state into the unpublished draft.
+   acknowledgements of stored results; prepare Gym within ``rollout_checkpointing.gym.prepare_timeout_s``.
+   A result that completed after the flush makes the agent's prepare refuse
+   (``agent_prepare_incomplete``: Gym commits no unacknowledged result): the save flushes again and
+   prepares once more under a fresh checkpoint id, at most :data:`PREPARE_ATTEMPTS` times.
+2. Gym writes its files into ``checkpoint_dir`` (the draft's ``gym/`` folder, or a staging folder
+   for a store that is not local disk). The publisher adopts each participant's folder as a part
+   (``coordinator.checkpoint.gym_parts``: Gym's digests checked, uploaded to an object store) with
+   the rest of step 4: nothing writes that folder once Gym's commit has answered, so the adoption
+   need not hold the pause.
 3. RL's cut, in memory, with the loop held (:mod:`coordinator.checkpoint.cut`). It is taken on a
    thread from the end of step 1, while Gym prepares and commits (nothing reaches the data plane or
    the controller's records in that time, so it is the same cut); the save waits for it after step 2.
@@ -16,8 +23,8 @@ time, while rollouts run: the pause is the drain, Gym's commit and the in-memory
 the resume.
 
 What a crash leaves, by boundary: before ``save.published``, a draft no commit names (GC removes
-it) and the previous snapshot still the newest; Gym servers that were paused are lost with the job
-or resumed by the abort. After it, the new snapshot.
+it; a staging folder is swept by a later save), and the previous snapshot still the newest; Gym
+servers that were paused are lost with the job or resumed by the abort. After it, the new snapshot.
 """
 
 from __future__ import annotations
@@ -27,21 +34,24 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+from coordinator.checkpoint import gym_parts
 from coordinator.checkpoint.cut import Cut, CutInBackground, write_cut_parts
 from coordinator.checkpoint.outcomes import SaveOutcome, SaveReport
 from coordinator.checkpoint.seams import RecordsSource, Seams
 from coordinator.errors import GymCallError
+from gymkit.gym_fleet import CommitResult
 from snapformat import Published
 from snapformat.draft import SnapshotDraft
-
-if TYPE_CHECKING:
-    from gymkit.control_client import CommitResult
 
 log = logging.getLogger("coordinator.checkpoint.save")
 
 T = TypeVar("T")
+#: Prepare attempts of one save: a result that completes between the flush of acknowledgements and
+#: the agents' prepare needs one more flush (rare); more than that means something else blocks.
+PREPARE_ATTEMPTS = 3
+SETTLE_S = 0.1  # after a failed prepare, before flushing again (see save)
 
 
 @dataclass
@@ -81,6 +91,7 @@ class PendingWrite:
     draft: SnapshotDraft
     cut: Cut
     commit: CommitResult
+    checkpoint_dir: gym_parts.CheckpointDir  # Gym's files, adopted as parts by the write
     progress: Progress
     fingerprint: str
 
@@ -99,6 +110,7 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str) -> tuple[SaveOut
     t_pause = time.perf_counter()
     prepared = False
     draft: SnapshotDraft | None = None
+    checkpoint_dir: gym_parts.CheckpointDir | None = None
     cutting: CutInBackground | None = None
     try:
         seams.steps.reached("save.begin")
@@ -106,17 +118,28 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str) -> tuple[SaveOut
         seams.steps.reached("save.acks_flushed")
         cutting = CutInBackground(seams.plane, source)
         prepared = True
-        progress.timed("prepare", lambda: seams.gym.prepare_checkpoint(cid, time.time() + cfg.prepare_timeout_s))
+
+        def flush_again() -> None:  # the cut must follow the last flush: take it again after one
+            nonlocal cutting
+            assert cutting is not None
+            cutting.wait()
+            # The failed prepare's rollback resumed the agents: rollouts it had parked at their end
+            # complete a moment later. Let them, so this flush acknowledges them too.
+            time.sleep(SETTLE_S)
+            seams.store_and_acknowledge()
+            cutting = CutInBackground(seams.plane, source)
+
+        cid = progress.timed("prepare", lambda: _prepare(seams, progress, flush_again))
         seams.steps.reached("save.prepared")
         draft = seams.store.begin()
-        url = draft.url
+        checkpoint_dir = gym_parts.save_dir(draft, seams.staging_dir)
         commit = progress.timed("gym_commit", lambda: seams.gym.commit_checkpoint(
-            cid, time.time() + cfg.commit_timeout_s, url))
+            cid, time.time() + cfg.commit_timeout_s, checkpoint_dir.path))
         seams.steps.reached("save.gym_committed")
         cut = progress.timed("cut_wait", cutting.result)  # what the cut adds to the pause past Gym's commit
         progress.steps["cut"] = round(cut.seconds, 6)  # the cut's own time, from the flush of ACKs on
         seams.steps.reached("save.cut")
-        pending = PendingWrite(draft, cut, commit, progress, fingerprint)
+        pending = PendingWrite(draft, cut, commit, checkpoint_dir, progress, fingerprint)
         in_pause = cfg.write_mode == "in_pause" or cut.held_bytes > cfg.max_cut_bytes
         if cfg.write_mode == "background" and in_pause:
             log.warning("the cut holds %d bytes, above max_cut_bytes %d: writing it inside the pause",
@@ -125,14 +148,16 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str) -> tuple[SaveOut
         if in_pause:
             write_and_publish(seams, pending, pause_started=t_pause)
     except BaseException as exc:  # any failure before publish aborts this save; the run goes on
-        _abort(seams, cid, prepared, cutting, draft)
+        _abort(seams, progress.checkpoint_id, prepared, cutting, draft)
+        if checkpoint_dir is not None:
+            checkpoint_dir.cleanup()
         progress.pause_s = round(time.perf_counter() - t_pause, 6)
         report = progress.report(error=f"{type(exc).__name__}: {exc}")
-        log.warning("save %s aborted, nothing published: %s", cid, report.error)
+        log.warning("save %s aborted, nothing published: %s", progress.checkpoint_id, report.error)
         return SaveOutcome(status="aborted", report=report, cause=exc), None
     resumed = True
     try:
-        progress.timed("resume", lambda: seams.gym.resume_checkpoint(cid))
+        progress.timed("resume", lambda: seams.gym.resume_checkpoint(cid, time.time() + cfg.resume_timeout_s))
     except GymCallError as exc:
         # Gym's state is committed and the cut taken: the snapshot stands whatever the resume does.
         # The loop retries the resume and sends no rollout until it succeeds (CONTROL.md §8).
@@ -145,11 +170,37 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str) -> tuple[SaveOut
     return SaveOutcome(status="writing", report=progress.report(), gym_resumed=resumed), pending
 
 
+def _prepare(seams: Seams, progress: Progress, flush_again: Callable[[], None]) -> str:
+    """Prepare Gym; returns the checkpoint id that prepared (also kept in ``progress``). When an agent
+    refuses ``agent_prepare_incomplete`` before the deadline, what blocks is only the caller's to
+    clear (results completed after the flush; the actor has resumed everyone it had paused): the
+    results are stored and acknowledged again and a fresh id prepares, at most
+    :data:`PREPARE_ATTEMPTS` times. A refusal at the deadline (executions still running) is not
+    retried: the pause is bounded by one ``prepare_timeout_s``."""
+    timeout = seams.config.rollout_checkpointing.gym.prepare_timeout_s
+    for attempt in range(1, PREPARE_ATTEMPTS + 1):
+        deadline = time.time() + timeout
+        try:
+            seams.gym.prepare_checkpoint(progress.checkpoint_id, deadline)
+            return progress.checkpoint_id
+        except GymCallError as exc:
+            early = time.time() < deadline
+            if exc.error != "agent_prepare_incomplete" or not early or attempt == PREPARE_ATTEMPTS:
+                raise
+            log.info("prepare of %s: %s; flushing acknowledgements and preparing again", progress.checkpoint_id, exc)
+            flush_again()
+            progress.checkpoint_id = new_checkpoint_id()
+    raise AssertionError("unreachable")
+
+
 def _abort(seams: Seams, cid: str, prepared: bool, cutting: CutInBackground | None,
            draft: SnapshotDraft | None) -> None:
     """Undo a failed save: Gym resumed without a commit, the cut ended, the draft abandoned."""
     if prepared:
-        failures = seams.gym.abort_checkpoint(cid)
+        try:
+            failures = seams.gym.abort_checkpoint(cid, time.time() + seams.config.resume_timeout_s).failures
+        except GymCallError as exc:
+            failures = [str(exc)]
         if failures:
             log.warning("abort of %s: %s", cid, "; ".join(failures))
     if cutting is not None:  # Gym is resumed first; no listing of the data plane outlives the save
@@ -166,9 +217,14 @@ def _abandon(draft: SnapshotDraft) -> None:
 
 
 def write_and_publish(seams: Seams, p: PendingWrite, pause_started: float | None = None) -> Published:
-    """Write the cut's parts into the draft and publish it with Gym's receipts (step 4)."""
+    """Adopt Gym's files as parts, write the cut's parts into the draft and publish it (step 4)."""
     progress = p.progress
     steps = progress.steps
+    try:
+        gym = progress.timed("gym_adopt", lambda: gym_parts.adopt_commit(p.draft, p.checkpoint_dir, p.commit))
+    finally:
+        p.checkpoint_dir.cleanup()
+    seams.steps.reached("save.gym_adopted")
     t0 = time.perf_counter()
     rows, _ = write_cut_parts(p.draft, p.cut, seams.config.compression)
     progress.cut_bytes, progress.rows = rows.nbytes, dict(rows.rows)
@@ -180,9 +236,10 @@ def write_and_publish(seams: Seams, p: PendingWrite, pause_started: float | None
     else:  # in the pause: the resume is still to come, so the pause so far
         timings["pause_until_publish_s"] = round(time.perf_counter() - pause_started, 6)
     t1 = time.perf_counter()
-    published = p.draft.publish(receipts=p.commit.receipts, gym_commit=p.commit.gym_commit,
+    published = p.draft.publish(receipts=gym.receipts, gym_commit=gym.gym_commit,
                                 topology_fingerprint=p.fingerprint, timings_s=timings,
-                                keep_latest=seams.config.keep_latest_k, producer="coordinator.SingleController")
+                                keep_latest=seams.config.rollout_checkpointing.keep_latest_k,
+                                producer="coordinator.SingleController")
     steps["publish"] = round(time.perf_counter() - t1, 6)
     progress.published = published
     seams.steps.reached("save.published")

@@ -19,25 +19,27 @@ from coordinator.faults import Steps
 from snapformat.snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
-    from gymkit.control_client import CommitResult
+    from gymkit.gym_fleet import AbortResult, CommitResult, DiscardResult, PrepareResult, RestoreResult
 
 
 class GymControl(Protocol):
-    """Gym's checkpoint calls, blocking (the NemoGym actor's, through the controller's handle).
-    Each raises :class:`~coordinator.errors.GymCallError` when a server fails."""
+    """Gym's checkpoint calls, blocking: the NemoGym actor's methods (NeMo-RL's names and arguments),
+    through the controller's handle. Each raises :class:`~coordinator.errors.GymCallError` when a
+    server fails."""
 
-    def prepare_checkpoint(self, checkpoint_id: str, deadline: float) -> object: ...
+    def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult: ...
 
-    def commit_checkpoint(self, checkpoint_id: str, deadline: float, draft_url: str) -> CommitResult: ...
+    def commit_checkpoint(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str) -> CommitResult: ...
 
-    def resume_checkpoint(self, checkpoint_id: str) -> object: ...
+    def resume_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> object: ...
 
-    def abort_checkpoint(self, checkpoint_id: str) -> list[str]: ...
+    def abort_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> AbortResult: ...
 
-    def restore_checkpoint(self, restore_id: str, deadline: float, snapshot_url: str, saved_checkpoint_id: str,
-                           fingerprint: str) -> dict[str, Any]: ...
+    def restore_checkpoint(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+                           source_checkpoint_id: str | None = None) -> RestoreResult: ...
 
-    def discard(self, restore_id: str, deadline: float, refs: Sequence[tuple[str, int]]) -> list[str]: ...
+    def discard_restored_agent_continuations(self, checkpoint_id: str, deadline_ts: float,
+                                             executions: Sequence[dict[str, Any]]) -> DiscardResult: ...
 
 
 class RecordsSource(Protocol):
@@ -63,3 +65,4 @@ class Seams:
     steps: Steps
     store_and_acknowledge: Callable[[], object]
     acknowledge: Callable[[Bookkeeping], object]
+    staging_dir: str | None = None  # where Gym's files are staged for a store that is not local disk

@@ -31,13 +31,14 @@ def test_gym_bench_tiny_run(tmp_path: Path) -> None:
             counts = c["counts"]
             assert counts["requested"] == n
             # What the servers said: every started rollout was parked, committed and restored.
-            assert counts["agent_commit_parked"] == n and counts["agent_commit_finished_unacked"] == 0, counts
+            assert counts["agent_commit_parked"] == n and counts["agent_commit_completed_unacknowledged"] == 0, counts
             assert counts["model_commit_rollouts"] == n and counts["model_commit_calls"] >= n, counts
             assert counts["resource_commit_sessions"] == n, counts
             assert counts["agent_restore_continuations"] == n, counts
             assert counts["model_restore_calls"] == counts["model_commit_calls"], counts
             assert counts["resource_restore_sessions"] == n, counts
-            assert counts["in_flight_after_prepare"] == {"model": 0, "agent": 0, "resource": 0}, counts
+            assert counts["in_flight_after_prepare"] == {"model": 0, "agent": 0}, counts
+            assert counts["resource_prepare_sessions"] == n, counts
 
     md = gym_bench.markdown(res)
     assert md.startswith("# ") and "\n\n" in md

@@ -46,16 +46,16 @@ def fleet(tmp_path, forkserver):
 @pytest.fixture(scope="session")
 def reference_rows(tmp_path_factory, forkserver, tq_runtime):
     """The final data-plane content of an uninterrupted run of the harness workload (no snapshots)."""
-    import msgspec
+
+    from harness import CONFIG, InRayJob
 
     from devtools.accounting import content
     from devtools.gym_fleet import new_fleet
-    from harness import CONFIG, InRayJob
 
     f = new_fleet(tmp_path_factory.mktemp("reference"), forkserver)
     try:
         job = InRayJob(f, str(tmp_path_factory.mktemp("reference-store")),
-                       config=msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=None))
+                       config=CONFIG.without_snapshots())
         assert job.setup() is None
         outcome = job.run()
         assert outcome.done and not outcome.saves

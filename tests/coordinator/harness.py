@@ -10,16 +10,20 @@ import ray
 
 from coordinator import controller as controller_mod
 from coordinator import gym_actor
-from coordinator.config import ControllerConfig
+from coordinator.config import ControllerConfig, GymRolloutCheckpointing, RolloutCheckpointing
 from coordinator.controller import RunOutcome
 from coordinator.faults import CrashPlan
 from coordinator.workload import Workload
 from devtools.gym_fleet import Fleet, Gym
 
 WORKLOAD = Workload(prompts=4, group_size=3, min_turns=2, max_turns=4, seed=77, sandbox_every=3)
-CONFIG = ControllerConfig(snapshot_attempt_interval_s=0.3, max_in_flight=6, poll_interval_s=0.02,
-                          gym_unreachable_s=3.0, prepare_timeout_s=10.0, commit_timeout_s=10.0,
-                          restore_timeout_s=20.0, keep_latest_k=3, train_batch_groups=1)
+CONFIG = ControllerConfig(
+    rollout_checkpointing=RolloutCheckpointing(
+        snapshot_attempt_interval_s=0.3, keep_latest_k=3,
+        gym=GymRolloutCheckpointing(capability_discovery_enabled=True, participant_checkpointing_enabled=True,
+                                    prepare_timeout_s=10.0)),
+    max_in_flight=6, poll_interval_s=0.02, gym_unreachable_s=3.0, commit_timeout_s=10.0, restore_timeout_s=20.0,
+    train_batch_groups=1)
 MODEL_SLOW_MS = 80
 RUN_S = 120.0
 
@@ -34,8 +38,8 @@ class InRayJob:
         plan = None
         if crash_at is not None:
             plan = CrashPlan(at=crash_at, occurrence=occurrence, kill_self=kill_self,
-                             kill_pids=[p.pid for p in self.gym.trio.all] if kill_gym else [])
-        self.actor = gym_actor.remote([p.url for p in self.gym.trio.all], fleet.token)
+                             kill_pids=[p.pid for p in self.gym.servers.all] if kill_gym else [])
+        self.actor = gym_actor.remote({p.name: p.url for p in self.gym.servers.all}, fleet.token)
         self.ctl = controller_mod.remote(config, store_url, self.actor, workload, data_plane=data_plane,
                                          crash_plan=plan, options=actor_options)
 
@@ -50,7 +54,7 @@ class InRayJob:
 
     def kill(self) -> None:
         """Whatever is still alive of this job dies now (SIGKILL), as in a machine failure."""
-        for p in self.gym.trio.all:
+        for p in self.gym.servers.all:
             p.kill()
         for actor in (self.ctl, self.actor):
             ray.kill(actor, no_restart=True)

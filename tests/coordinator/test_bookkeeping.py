@@ -63,11 +63,37 @@ def test_transitions_and_refusals() -> None:
         books.sealed("p99_g0", 0, "x", TRAIN_PARTITION)
     books.acknowledged(rid)
     assert rid not in books.acks_owed
-    other = [r for r, a in books.attempts.items() if a.state == "dispatched"][0]
+    other = next(r for r, a in books.attempts.items() if a.state == "dispatched")
     books.next_run(other, 0, 1)
     assert books.attempts[other].attempt_index == 1 and books.abandoned[-1].state == "abandoned"
+    assert books.abandoned[-1].attempt_index == 0
     with pytest.raises(InvalidRecordError, match="expected 2"):
         books.next_run(other, 1, 3)
+    with pytest.raises(InvalidRecordError, match="run 0 sealed"):
+        books.next_run(rid, 0, 1)  # a stored result has no run n + 1
+
+
+def test_a_restored_run_is_reserved_until_the_loop_sends_it_again() -> None:
+    """After a restore, run n + 1 of an unfinished rollout is ``reserved``: the loop sends it (Gym's
+    ``/run`` of n + 1, which picks up the restored continuation) once Gym is resumed; only Gym's
+    acceptance makes it ``dispatched``."""
+    books = Bookkeeping.fresh(WL)
+    _drive(books, 2)
+    consumed = books.loader.consumed
+    rid = next(r for r, a in books.attempts.items() if a.state == "dispatched")
+    books.next_run(rid, 0, 1)
+    assert (books.attempts[rid].attempt_index, books.attempts[rid].state) == (1, "reserved")
+    assert rid in {a.rollout_id for a in books.open_attempts()}  # still counts against max_in_flight
+    assert books.spec(rid).rollout_id == rid  # what the loop sends again
+    again = Bookkeeping.from_records(WL, msgspec.json.decode(msgspec.json.encode(books.records()),
+                                                             type=ControllerRecords), "test")
+    assert (again.attempts[rid].attempt_index, again.attempts[rid].state) == (1, "reserved")
+    assert [(a.rollout_id, a.attempt_index) for a in again.abandoned] == [(rid, 0)]
+    books.dispatched([rid])
+    assert (books.attempts[rid].attempt_index, books.attempts[rid].state) == (1, "dispatched")
+    assert books.loader.consumed == consumed  # a re-sent run does not move the loader
+    books.sealed(rid, 1, rid, TRAIN_PARTITION)
+    assert books.acks_owed[rid].attempt_index == 1 and books.replay[rid].attempt_index == 1
 
 
 def test_groups_finalize_train_and_finish() -> None:

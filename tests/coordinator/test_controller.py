@@ -1,6 +1,7 @@
-"""The Single Controller on the session's Ray with real Gym servers: saves in both write modes,
-failed saves that abort and let the run go on, and the restore's choices (topology, corruption,
-empty store). Every run's final rows are compared with an uninterrupted run's."""
+"""The Single Controller on the session's Ray with the four real Gym servers: saves in both write
+modes, failed saves that abort and let the run go on, and the restore's choices (topology,
+corruption, empty store, which continuations start over). Every run's final rows are compared with
+an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import httpx
 import msgspec
 import pytest
 import ray
+from harness import CONFIG, RUN_S, WORKLOAD, InRayJob
 
-from devtools.accounting import content, trained_once
 from coordinator.errors import TooManyFailuresError
-from harness import CONFIG, WORKLOAD, InRayJob
-from schemas.errors import TopologyMismatchError
+from devtools.accounting import content, trained_once
 from devtools.gym_fleet import wait_until
+from gymkit.checkpoint_dir import read_agent_dir
+from schemas.errors import SnapshotError, TopologyMismatchError
+from schemas.gym_files import agent_instance_dir
+from schemas.topology import manifest_fingerprint
 from snapformat import SnapshotStore, verify_snapshot
 
 pytestmark = pytest.mark.usefixtures("tq_runtime")
@@ -45,15 +49,19 @@ def test_a_run_with_saves_ends_like_an_uninterrupted_one(mode, fleet, tmp_path: 
     published = [s for s in outcome.saves if s.published]
     assert published and all(s.ok and s.error is None for s in outcome.saves)
     for s in published:  # every step timed, the pause measured
-        assert {"flush_acks", "prepare", "gym_commit", "cut", "resume", "write", "publish"} <= set(s.steps_s)
+        assert {"flush_acks", "prepare", "gym_commit", "gym_adopt", "cut", "resume", "write", "publish"} <= set(s.steps_s)
         assert 0 < s.pause_s
         if mode == "background":  # the bytes were written after the resume: not part of the pause
             assert s.pause_s < sum(s.steps_s.values())
     newest = store.latest()
-    assert newest is not None and newest.manifest.topology_fingerprint
+    assert newest is not None and newest.manifest.topology_fingerprint == manifest_fingerprint(job.gym.fingerprint())
     timings = newest.manifest.timings_s
     assert ("pause_s" in timings) == (mode == "background") and "prepare_s" in timings
-    assert len(check_store(store)) <= CONFIG.keep_latest_k
+    commit = newest.manifest.gym_commit  # Gym's files are the snapshot's Gym parts, one per exported participant
+    assert [(p.component, p.name) for p in commit.participants] == [
+        ("responses_api_agents", "agent0"), ("responses_api_models", "policy0"), ("resources_servers", "tools")]
+    assert all(p.part_prefix is not None and p.part_prefix.startswith("gym/") for p in commit.participants)
+    assert len(check_store(store)) <= CONFIG.rollout_checkpointing.keep_latest_k
     check_finished(job, reference_rows)
     job.kill()
     token_nowhere(fleet.token, [tmp_path / "store", fleet.workdir, Path("/tmp/ray/session_latest/logs")])
@@ -72,8 +80,16 @@ def token_nowhere(token: str, roots: list[Path]) -> None:
 
 
 def _faults(job: InRayJob, **plan) -> None:
-    r = httpx.post(f"{job.gym.trio.resource.url}/test/faults", json=plan)
+    """Switch on faults in the ``tools`` resources server (started with ``--test-faults``)."""
+    r = httpx.post(f"{job.gym.servers.resource.url}/test/faults", json=plan)
     assert r.status_code == 200, r.text
+
+
+def _all_idle(job: InRayJob) -> None:
+    """Every Gym server was resumed: no checkpoint is active anywhere."""
+    for c in job.gym.clients:
+        caps = c.capabilities()
+        assert (caps.name, caps.phase, caps.active_checkpoint_id) == (caps.name, "idle", None)
 
 
 def test_a_commit_error_aborts_that_save_and_the_run_goes_on(fleet, tmp_path: Path, reference_rows) -> None:
@@ -84,30 +100,52 @@ def test_a_commit_error_aborts_that_save_and_the_run_goes_on(fleet, tmp_path: Pa
     outcome = job.run()
     assert outcome.done
     failed = outcome.saves[0]
-    assert not failed.published and "commit of resource tools" in failed.error and "500" in failed.error
+    assert not failed.published and "resources-checkpoint/commit of resources_servers tools" in failed.error
+    assert "500" in failed.error
     later = job.call("save_now", True)  # a later save succeeds
     assert later.published, later.error
     assert failed.checkpoint_id not in {store.open(c.sequence).manifest.gym_commit.checkpoint_id for c in store.list()}
-    for p in job.gym.clients:  # every server was resumed by the abort
-        assert p.status().phase == "idle"
+    _all_idle(job)  # every server was resumed by the abort
     check_store(store)
     check_finished(job, reference_rows)
     job.kill()
 
 
 def test_a_prepare_that_hangs_past_the_deadline_is_aborted(fleet, tmp_path: Path, reference_rows) -> None:
+    """The ``tools`` server's export hangs past the prepare deadline: the actor gives up at the
+    deadline (not when the server finally answers) and that save is aborted; the run goes on.
+
+    New under Gym's protocol: a prepare is never cancelled, so the hung server goes on preparing that
+    checkpoint, and the saves tried meanwhile fail too: 409 ``checkpoint_conflict`` from it, or
+    ``agent_prepare_incomplete`` from the agent (a turn waiting for the closed ``tools`` server cannot
+    end at a boundary). When it ends, past its deadline with sessions left to export, it fails
+    (``resources_checkpoint_error``), back to ``idle`` with its admission closed (CONTROL.md §2); the
+    next save's resume (or abort) reopens it under a fresh id, so every rollout still finishes."""
     store = SnapshotStore(str(tmp_path / "store"))
-    config = msgspec.structs.replace(CONFIG, prepare_timeout_s=0.5)
+    hang_s, prepare_timeout_s = 5.0, 2.0
+    config = CONFIG.with_rollout_checkpointing(max_consecutive_failures=1000,
+                                               gym={"prepare_timeout_s": prepare_timeout_s})
     job = InRayJob(fleet, store.url, config=config, test_faults=True)
     job.setup()
-    _faults(job, prepare_hang_s=8.0, prepare_hangs=1)
-    outcome = job.run()
+    running = job.ctl.run.remote(RUN_S)
+    wait_until(lambda: any(s.published for s in job.call("saves_since", 0)), "a first published save")
+    _faults(job, prepare_hang_s=hang_s, prepare_hangs=1)  # the next save's export of a session hangs
+    outcome = ray.get(running)
     assert outcome.done
-    failed = outcome.saves[0]
-    assert not failed.published and "prepare of resource tools" in failed.error
-    assert "deadline" in failed.error  # given up at the deadline, not when the server finally answered
+    published = [i for i, s in enumerate(outcome.saves) if s.published]
+    failed = [i for i, s in enumerate(outcome.saves) if not s.published]
+    assert failed and published and published[0] < failed[0], [s.error for s in outcome.saves]
+    # (saves succeed again after it: the run may end first, so the explicit save_now below proves it)
+    first = outcome.saves[failed[0]]
+    assert "resources-checkpoint/prepare of resources_servers tools" in first.error
+    assert "deadline" in first.error, first.error  # given up at the deadline, not when the server finally answered
+    assert first.pause_s < hang_s
+    for i in failed[1:]:  # the saves tried while the server still prepared the first one, or was still closed
+        error = outcome.saves[i].error
+        assert "checkpoint_conflict" in error or "agent_prepare_incomplete" in error, error
     later = job.call("save_now", True)
     assert later.published, later.error
+    _all_idle(job)
     check_store(store)
     check_finished(job, reference_rows)
     job.kill()
@@ -115,20 +153,21 @@ def test_a_prepare_that_hangs_past_the_deadline_is_aborted(fleet, tmp_path: Path
 
 def test_max_consecutive_failures_stops_the_run_clearly(fleet, tmp_path: Path) -> None:
     store = SnapshotStore(str(tmp_path / "store"))
-    job = InRayJob(fleet, store.url, config=msgspec.structs.replace(CONFIG, max_consecutive_failures=2),
+    job = InRayJob(fleet, store.url, config=CONFIG.with_rollout_checkpointing(max_consecutive_failures=2),
                    test_faults=True)
     job.setup()
     _faults(job, commit_errors=1000)
-    with pytest.raises(TooManyFailuresError, match=r"2 consecutive save attempts failed .*commit of resource tools"):
+    with pytest.raises(TooManyFailuresError, match=r"2 consecutive save attempts failed "
+                                                   r".*resources-checkpoint/commit of resources_servers tools"):
         job.run()
     assert store.list() == []
     job.kill()
 
 
-def _run_with_snapshots(fleet, store: SnapshotStore, stop_after: int) -> None:
+def _run_with_snapshots(fleet, store: SnapshotStore, stop_after: int, interval_s: float = 0.05) -> None:
     """A job that publishes at least ``stop_after`` snapshots and is then killed mid-run."""
     job = InRayJob(fleet, store.url, crash_at="save.begin", occurrence=stop_after + 1, kill_gym=True,
-                   config=msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05))
+                   config=CONFIG.with_rollout_checkpointing(snapshot_attempt_interval_s=interval_s))
     job.setup()
     with pytest.raises(ray.exceptions.RayActorError):
         job.run()
@@ -166,9 +205,78 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_one_before(fleet, tmp_path:
     job.kill()
 
 
+def _parked(snap) -> tuple[list, set[tuple[str, int]], set[tuple[str, int]]]:
+    """Gym's own account of a snapshot's parked executions: the agent's boundary records, and the
+    continuations (a model call committed) that depend on the restart-only ``sandbox`` and those that do not."""
+    (agent,) = [p for p in snap.manifest.gym_commit.participants if p.component == "responses_api_agents"]
+    _, records, roots = read_agent_dir(Path(snap.url) / agent.part_prefix)
+    on_sandbox = {(r.rollout_id, r.attempt_index) for r in roots if "sandbox" in r.resource_state_revisions}
+    return records, on_sandbox, {(r.rollout_id, r.attempt_index) for r in roots} - on_sandbox
+
+
+def test_a_restore_discards_exactly_the_continuations_on_the_restart_only_server(fleet, tmp_path: Path,
+                                                                                 reference_rows) -> None:
+    """After a restore every unfinished rollout is sent again as run n + 1 (Gym's ``/run`` of n + 1).
+    Those whose continuation depends on the restart-only ``sandbox`` (its state is gone with the old
+    process) are discarded first and start over; the others continue after their committed model
+    call. Checked against Gym's own continuation index in the snapshot and against the final rows:
+    the turns before the boundary of a continued rollout keep the old run's capture key."""
+    store = SnapshotStore(str(tmp_path / "store"))
+    first = InRayJob(fleet, store.url)
+    first.setup()
+    running = first.ctl.run.remote(RUN_S)
+
+    def both_kinds() -> bool:  # the newest snapshot holds continuations of both kinds
+        try:
+            snap = store.latest()
+            return snap is not None and all(_parked(snap)[1:])
+        except (OSError, SnapshotError):  # removed by the store's GC while read: the next one
+            return False
+
+    wait_until(both_kinds, "a snapshot with continuations on and off the sandbox", RUN_S)
+    first.kill()  # the whole job, as a machine failure
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(running)
+    snap = store.latest()
+    records, on_sandbox, elsewhere = _parked(snap)
+    assert on_sandbox and elsewhere, "a newer snapshot was published as the job was killed"
+    job = InRayJob(fleet, store.url)
+    restored = job.setup()
+    assert restored.sequence == snap.sequence
+    continued = {c.rollout_id: c for c in restored.continued}
+    assert sorted(continued) == sorted(r.rollout_id for r in records)  # every parked execution, once
+    uses_sandbox = {s.rollout_id for i in range(WORKLOAD.prompts) for s in WORKLOAD.group(i) if "sandbox" in s.tools}
+    for rec in records:
+        c = continued[rec.rollout_id]
+        assert (c.attempt_index, c.after_call) == (rec.attempt_index + 1, rec.last_committed_model_call_id)
+        discard = (rec.rollout_id, rec.attempt_index) in on_sandbox
+        assert discard == (c.after_call is not None and rec.rollout_id in uses_sandbox)
+        assert (c.restart_only, c.discarded) == ((["sandbox"], True) if discard else ([], False)), c
+    assert any(c.discarded for c in continued.values()), restored.continued
+    assert any(c.after_call is not None and not c.discarded for c in continued.values()), restored.continued
+    assert job.run().done
+    check_finished(job, reference_rows)
+    ledger = msgspec.to_builtins(job.call("records"))["ledger"]
+    runs = {(r["rollout_id"], r["attempt_index"]): r["state"] for r in ledger if r["record"] == "rollout_attempt"}
+    tokens = job.call("data_plane_tables")["token_capture_rows"].to_pylist()
+    for rid, c in continued.items():  # run n + 1 was sent and stored; run n abandoned
+        assert runs[(rid, c.attempt_index)] == "sealed" and runs[(rid, c.attempt_index - 1)] == "abandoned"
+        keys = {int(row["model_call_id"].removeprefix("call-")): row["capture_key"] for row in tokens
+                if row["rollout_id"] == rid}
+        new_key = f"{rid}-a{c.attempt_index}"
+        if c.after_call is None or c.discarded:  # started over: every turn is run n + 1's
+            assert set(keys.values()) == {new_key}, (rid, keys)
+        else:  # continued after its boundary: the turns before it are the old run's
+            boundary = int(c.after_call.removeprefix("call-"))
+            assert all((key != new_key) == (t <= boundary) for t, key in keys.items()), (rid, c, keys)
+    job.kill()
+
+
 def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_env, new_bucket, tmp_path: Path,
                                                                    reference_rows) -> None:
-    """Store on SeaweedFS: Gym servers write their parts straight to S3 through the draft's URL."""
+    """Store on SeaweedFS: Gym's servers write their files into a local staging folder, which the
+    publisher uploads into the draft as the Gym parts; a restore downloads them (checked) into a
+    staging folder again."""
     from devtools.gym_fleet import new_fleet
 
     aws_env(seaweed)
@@ -177,7 +285,7 @@ def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_e
     fleet = new_fleet(tmp_path / "fleet")  # fresh interpreters: they inherit the S3 variables
     try:
         first = InRayJob(fleet, store.url, crash_at="save.begin", occurrence=3, actor_options=env,
-                         config=msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05))
+                         config=CONFIG.with_rollout_checkpointing(snapshot_attempt_interval_s=0.05))
         first.setup()
         with pytest.raises(ray.exceptions.RayActorError):
             first.run()
@@ -185,6 +293,8 @@ def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_e
         newest = store.latest()
         assert newest is not None and newest.url.startswith("s3://")
         assert all(e.path.startswith(("gym/", "tq/", "controller/")) for e in newest.manifest.files)
+        assert {p.part_prefix for p in newest.manifest.gym_commit.participants} == {
+            f"gym/{agent_instance_dir('agent0')}", "gym/model-ledger/policy0", "gym/resources/tools"}
         job = InRayJob(fleet, store.url, actor_options=env)
         restored = job.setup()
         assert restored.sequence == newest.sequence and restored.snapshot_url.startswith("s3://")
@@ -200,10 +310,10 @@ def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucke
                                                                reference_rows) -> None:
     """SeaweedFS behind a proxy that accepts connections and then never answers: every process of the
     job (controller and Gym servers) reaches it through the proxy, with short timeouts."""
-    from devtools.gym_fleet import new_fleet
-    from snapformat.store import s3
     from devtools import s3servers
+    from devtools.gym_fleet import new_fleet
     from devtools.stall_proxy import StallProxy
+    from snapformat.store import s3
 
     with StallProxy(seaweed.endpoint) as proxy:
         env = {**seaweed.env_vars(), "AWS_ENDPOINT_URL": proxy.endpoint,
@@ -215,7 +325,7 @@ def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucke
                                           secret=s3servers.SECRET_KEY))  # the store, not through the proxy
         fleet = new_fleet(tmp_path / "fleet")  # fresh interpreters: they inherit the variables
         try:
-            config = msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05, max_consecutive_failures=1000)
+            config = CONFIG.with_rollout_checkpointing(snapshot_attempt_interval_s=0.05, max_consecutive_failures=1000)
             job = InRayJob(fleet, url, config=config, actor_options={"runtime_env": {"env_vars": env}})
             assert job.setup() is None
             first = job.call("save_now", True)
@@ -235,8 +345,7 @@ def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucke
             assert later.sequence > first.sequence
             published = {direct.open(c.sequence).manifest.gym_commit.checkpoint_id for c in direct.list()}
             assert failed.checkpoint_id not in published
-            for p in job.gym.clients:
-                assert p.status().phase == "idle"
+            _all_idle(job)
             check_store(direct)
             check_finished(job, reference_rows)
             job.kill()
@@ -251,7 +360,8 @@ def small_disk(tmp_path: Path):
 
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
+                      check=False).returncode:
         pytest.fail("cannot mount a tmpfs (the test needs root): disk-full behaviour would go unchecked")
     try:
         yield mnt
@@ -270,7 +380,7 @@ def test_a_full_disk_fails_saves_clearly_and_the_run_goes_on(fleet, small_disk: 
         os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (24 << 10))
     finally:
         os.close(fd)
-    config = msgspec.structs.replace(CONFIG, max_consecutive_failures=1000)
+    config = CONFIG.with_rollout_checkpointing(max_consecutive_failures=1000)
     job = InRayJob(fleet, store.url, config=config)
     job.setup()
     running = job.ctl.run.remote(120)

@@ -1,66 +1,110 @@
-"""The NemoGym actor's calls against real reference servers over HTTP (run here without Ray: the
-class is plain asyncio; Ray only hosts it). Its control calls are gymkit's client, whose transport
-(deadlines, the retry of idempotent calls on a dropped connection) tests/gymkit covers."""
+"""The NemoGym actor's calls against the four real reference servers over HTTP (run here without
+Ray: the class is plain asyncio; Ray only hosts it). Its control calls are gymkit's client and
+GymFleet, whose transport (deadlines, the retry of idempotent calls on a dropped connection) and
+rules tests/gymkit covers; here, what a coordinator sees of a real deployment through the actor."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
+from coordinator.checkpoint.gym_parts import adopt_commit, save_dir
 from coordinator.errors import GymCallError
 from coordinator.gym_actor import NemoGym
 from devtools.gym_fleet import wait_until
+from schemas.gym_files import MANIFEST_NAME, agent_instance_dir
 from snapformat import SnapshotStore
+
+MODELS, AGENTS, RESOURCES = "responses_api_models", "responses_api_agents", "resources_servers"
+DEADLINE_S = 30.0
 
 
 def _nemo(gym, token: str) -> NemoGym:
-    return NemoGym([p.url for p in gym.trio.all], token)
+    return NemoGym(gym.urls, token)
 
 
-def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path) -> None:
+def _phases(gym) -> dict[str, str]:
+    return {c.capabilities().name: c.capabilities().phase for c in gym.clients}
+
+
+def _deadline() -> float:
+    return time.time() + DEADLINE_S
+
+
+def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path: Path) -> None:
     gym = fleet.gym(model_slow_ms=30)
     nemo = _nemo(gym, fleet.token)
 
     async def scenario():
         found = await nemo.discover_checkpoint_capabilities()
-        assert found["fingerprint"] == gym.fingerprint()
-        assert sorted(p["component"] for p in found["participants"]) == ["agent", "model", "resource"]
-        started = await nemo.start_rollouts([{"rollout_id": f"r{i}", "seed": i, "turns": 3, "tools": ["notes"]}
-                                            for i in range(4)])
+        assert found.fingerprint == gym.fingerprint()
+        assert [(c["participant"]["component"], c["participant"]["server_name"]) for c in found.participants] == [
+            (RESOURCES, "sandbox"), (RESOURCES, "tools"), (AGENTS, "agent0"), (MODELS, "policy0")]
+        assert found.restart_only_resources() == ["sandbox"]
+        started = await nemo.start_rollouts([{"rollout_id": f"r{i}", "attempt_index": 0, "seed": i, "turns": 3,
+                                              "tools": ["notes"]} for i in range(4)])
         assert sorted(started["accepted"]) == ["r0", "r1", "r2", "r3"]
-        prepare = await nemo.prepare_checkpoint("c1", time.time() + 30)
-        assert list(prepare) == ["model", "agent", "resource"]
-        assert {c.status().phase for c in gym.clients} == {"prepared"}
+        prepare = await nemo.prepare_checkpoint("c1", _deadline())
+        # the policy model, the agent, the exported resources server; never the restart-only one
+        assert [(p.component, p.name) for p in prepare.participants] == [
+            (MODELS, "policy0"), (AGENTS, "agent0"), (RESOURCES, "tools")]
+        assert _phases(gym) == {"policy0": "prepared", "agent0": "prepared", "tools": "prepared", "sandbox": "idle"}
         draft = SnapshotStore(str(tmp_path / "store")).begin()
-        commit = await nemo.commit_checkpoint("c1", time.time() + 30, draft.url)
-        assert list(commit.seconds) == ["agent", "model", "resource"]
-        assert [p.component for p in commit.gym_commit.participants] == ["agent", "model", "resource"]
-        assert {r.prefix for r in commit.receipts} == {"gym/agent/agent0", "gym/model/policy0", "gym/resource/tools"}
-        resume = await nemo.resume_checkpoint("c1")
-        assert list(resume) == ["resource", "model", "agent"]
-        assert {c.status().phase for c in gym.clients} == {"idle"}
+        cdir = save_dir(draft)
+        commit = await nemo.commit_checkpoint("c1", _deadline(), cdir.path)
+        assert [(p.component, p.name) for p in commit.participants] == [
+            (AGENTS, "agent0"), (MODELS, "policy0"), (RESOURCES, "tools")]
+        for ref in commit.manifests():  # each wrote its folder, manifest last, with the digest it answered
+            data = (Path(cdir.path) / ref.relative_path).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == ref.manifest_digest
+        assert commit.manifests()[0].relative_path == f"{agent_instance_dir('agent0')}/{MANIFEST_NAME}"
+        parts = adopt_commit(draft, cdir, commit)
+        assert [p.part_prefix for p in parts.gym_commit.participants] == [
+            f"gym/{agent_instance_dir('agent0')}", "gym/model-ledger/policy0", "gym/resources/tools"]
+        assert {r.prefix for r in parts.receipts} == {p.part_prefix for p in parts.gym_commit.participants}
+        assert _phases(gym) == {"policy0": "committed_paused", "agent0": "committed_paused",
+                                "tools": "committed_paused", "sandbox": "idle"}
+        resume = await nemo.resume_checkpoint("c1", _deadline())
+        assert [(p.component, p.name) for p in resume.participants] == [
+            (RESOURCES, "tools"), (MODELS, "policy0"), (AGENTS, "agent0")]
+        assert set(_phases(gym).values()) == {"idle"}
+        draft.abandon()
         await nemo.close()
 
     asyncio.run(scenario())
 
 
-def test_acknowledge_twice_reports_the_repeat_as_already_acknowledged(fleet) -> None:
+def test_acknowledgements_send_the_receipts_back_and_a_repeat_is_idempotent(fleet) -> None:
+    """Gym's acknowledgements are the completion receipts the agent issued, sent back unchanged
+    (CONTROL.md §7). Under the old protocol a repeat was reported ``unknown``; Gym acknowledges a
+    repeat again (idempotent), so one repeat in a batch holds up nothing. A receipt that does not
+    match is refused, typed."""
     gym = fleet.gym()
     nemo = _nemo(gym, fleet.token)
 
     async def scenario():
         await nemo.discover_checkpoint_capabilities()
-        await nemo.start_rollouts([{"rollout_id": "a", "seed": 1, "turns": 1, "tools": ["notes"]},
-                                   {"rollout_id": "b", "seed": 2, "turns": 1, "tools": ["notes"]}])
+        await nemo.start_rollouts([{"rollout_id": "a", "attempt_index": 0, "seed": 1, "turns": 1, "tools": ["notes"]},
+                                   {"rollout_id": "b", "attempt_index": 0, "seed": 2, "turns": 1, "tools": ["notes"]}])
         await asyncio.to_thread(wait_until, lambda: len(gym.results()) == 2, "two results")
-        first = await nemo.acknowledge([("a", 0)])
-        assert first == {"acknowledged": ["a"], "unknown": []}
-        again = await nemo.acknowledge([("a", 0), ("b", 0)])  # one repeat must not hold up the other
-        assert again == {"acknowledged": ["b"], "unknown": ["a"]}
-        assert gym.results() == {}
+        results = {r["rollout_id"]: r for r in await nemo.results()}
+        assert {r["agent_name"] for r in results.values()} == {"agent0"}
+        owed = {rid: {"receipt": r["completion_receipt"], "agent_name": r["agent_name"]} for rid, r in results.items()}
+        forged = dict(owed["b"]["receipt"], result_digest="0" * 64)
+        with pytest.raises(GymCallError) as err:
+            await nemo.acknowledge_completed_executions([{"receipt": forged, "agent_name": "agent0"}])
+        assert (err.value.status, err.value.error) == (409, "completed_execution_acknowledgement_error")
+        first = await nemo.acknowledge_completed_executions([owed["a"]])
+        assert [msgspec.to_builtins(e.receipt) for e in first.acknowledged] == [owed["a"]["receipt"]]
+        again = await nemo.acknowledge_completed_executions([owed["a"], owed["b"]])
+        assert sorted(e.receipt.rollout_id for e in again.acknowledged) == ["a", "b"]
+        assert gym.results() == {}  # the agent holds neither any more
         await nemo.close()
 
     asyncio.run(scenario())
@@ -70,16 +114,21 @@ def test_refusals_are_typed_and_name_the_server(fleet) -> None:
     gym = fleet.gym()
 
     async def scenario():
-        wrong = NemoGym([p.url for p in gym.trio.all], "not-the-token")
+        wrong = NemoGym(gym.urls, "not-the-token")
+        await wrong.discover_checkpoint_capabilities()  # capabilities are unauthenticated
         with pytest.raises(GymCallError, match=r"401") as err:
-            await wrong.discover_checkpoint_capabilities()
-        assert "not-the-token" not in str(err.value)  # the token is never in an error
+            await wrong.prepare_checkpoint("c0", _deadline())
+        assert err.value.status == 401 and "not-the-token" not in str(err.value)  # the token is never in an error
+        assert set(_phases(gym).values()) == {"idle"}  # nothing was paused by a refused caller
         nemo = _nemo(gym, fleet.token)
         await nemo.discover_checkpoint_capabilities()
-        with pytest.raises(GymCallError) as err:
-            await nemo.resume_checkpoint("never-prepared")
-        assert err.value.status == 409 and "resume of resource tools" in str(err.value)
-        assert await nemo.abort_checkpoint("never-prepared") == []  # 409 wrong_phase is fine for abort
+        with pytest.raises(GymCallError) as err:  # the model's resume is not allowed from idle
+            await nemo.resume_checkpoint("never-prepared", _deadline())
+        assert (err.value.status, err.value.error) == (409, "invalid_phase")
+        assert "model-admission/resume of responses_api_models policy0" in str(err.value)
+        aborted = await nemo.abort_checkpoint("never-prepared", _deadline())
+        assert aborted.failures == []  # invalid_phase / stale_checkpoint: never began or already ended
+        assert set(_phases(gym).values()) == {"idle"}
         for c in (wrong, nemo):
             await c.close()
 
@@ -92,13 +141,17 @@ def test_a_dead_server_fails_fast_and_is_named(fleet) -> None:
 
     async def scenario():
         await nemo.discover_checkpoint_capabilities()
-        gym.trio.resource.kill()
-        with pytest.raises(GymCallError, match=r"prepare of resource tools .*unreachable") as err:
-            await nemo.prepare_checkpoint("c2", time.time() + 30)
-        assert err.value.error == "unreachable"
-        failures = await nemo.abort_checkpoint("c2")
-        assert len(failures) == 1 and "resource tools" in failures[0]
-        assert {c.status().phase for c in (gym.model, gym.agent)} == {"idle"}  # the others resumed
+        gym.servers.resource.kill()
+        t0 = time.monotonic()
+        with pytest.raises(GymCallError, match=r"resources-checkpoint/prepare of resources_servers tools .*unreachable") \
+                as err:
+            await nemo.prepare_checkpoint("c2", _deadline())
+        assert err.value.error == "unreachable" and time.monotonic() - t0 < DEADLINE_S / 2
+        assert nemo.active_checkpoint_id is None  # dispatch reopened
+        aborted = await nemo.abort_checkpoint("c2", _deadline())
+        assert len(aborted.failures) == 1 and "resources_servers tools" in aborted.failures[0]
+        # the others were resumed by the failed prepare itself
+        assert {c.capabilities().phase for c in (gym.model, gym.agent, gym.sandbox)} == {"idle"}
         await nemo.close()
 
     asyncio.run(scenario())
@@ -106,16 +159,18 @@ def test_a_dead_server_fails_fast_and_is_named(fleet) -> None:
 
 def test_rollouts_go_to_a_stable_agent(fleet) -> None:
     gym = fleet.gym()
-    extra = fleet.server("agent", "agent1", model_url=gym.trio.model.url, resource_url=gym.trio.resource.url)
-    nemo = NemoGym([p.url for p in gym.trio.all] + [extra.url], fleet.token)
+    s = gym.servers
+    extra = fleet.server("agent", "agent1", model_url=s.model.url, resource_url=s.resource.url,
+                         sandbox_url=s.sandbox.url)
+    nemo = NemoGym({**gym.urls, "agent1": extra.url}, fleet.token)
 
     async def scenario():
         await nemo.discover_checkpoint_capabilities()
-        homes = {f"r{i}": nemo.agent_of(f"r{i}").caps.name for i in range(40)}
+        homes = {f"r{i}": nemo.agent_of(f"r{i}").name for i in range(40)}
         assert set(homes.values()) == {"agent0", "agent1"}
-        other = NemoGym(list(reversed([p.url for p in gym.trio.all] + [extra.url])), fleet.token)
+        other = NemoGym(list(reversed([*gym.urls.values(), extra.url])), fleet.token)  # named by capabilities
         await other.discover_checkpoint_capabilities()
-        assert {r: other.agent_of(r).caps.name for r in homes} == homes  # not the order of the urls
+        assert {r: other.agent_of(r).name for r in homes} == homes  # not the order of the urls
         for c in (nemo, other):
             await c.close()
         async with httpx.AsyncClient() as h:

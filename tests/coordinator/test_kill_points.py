@@ -16,16 +16,16 @@ from pathlib import Path
 import msgspec
 import pytest
 import ray
+from harness import CONFIG, WORKLOAD, InRayJob
 
-from devtools.accounting import content, trained_once
 from coordinator.errors import GymCallError
 from coordinator.faults import RESTORE_STEPS, SAVE_STEPS
-from harness import CONFIG, WORKLOAD, InRayJob
+from devtools.accounting import content, trained_once
 from snapformat import SnapshotStore, verify_snapshot
 
 pytestmark = pytest.mark.usefixtures("tq_runtime")
 IDS = [s.rollout_id for i in range(WORKLOAD.prompts) for s in WORKLOAD.group(i)]
-FAST_SAVES = msgspec.structs.replace(CONFIG, snapshot_attempt_interval_s=0.05)
+FAST_SAVES = CONFIG.with_rollout_checkpointing(snapshot_attempt_interval_s=0.05)
 
 
 def finish_and_check(fleet, store: SnapshotStore, reference_rows, newest_before: int | None) -> None:

@@ -1,9 +1,12 @@
-"""Seeds from the golden store ``spec/examples/store-v1.1`` (the current writer's), and a store in
-memory that serves them.
+"""Seeds from the golden store ``spec/examples/store-v1.1``, and a store in memory that serves them.
 
-Every fuzzer starts from real files a writer of this version produced, so mutations land in the
-parsers' deep paths instead of failing at the first byte. The store in memory swaps one file per
-example without touching disk, and refuses every write: a reader must never write.
+Every fuzzer starts from real files a writer produced, so mutations land in the parsers' deep paths
+instead of failing at the first byte. ``store-v1.1`` is the golden store that holds a file of every
+kind this format parses itself (the record kinds of the Gym parts of the 1.0/1.1 layout, which every
+reader keeps reading, the data plane's and the controller's parts, ``dataplane_rows``); the 1.2
+writer's Gym parts are Gym's own files instead, fuzzed from ``store-v1.2`` by
+``test_fuzz_gym_files.py``. The store in memory swaps one file per example without touching disk,
+and refuses every write: a reader must never write.
 """
 
 from __future__ import annotations

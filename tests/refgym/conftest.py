@@ -1,9 +1,14 @@
 """Fixtures for the reference Gym tests: real server processes on 127.0.0.1, SIGKILLed at teardown.
 
 Servers are forked from one fork server per session (it imports the code once; each server is
-still its own process). All model servers use one model seed, so two runs of the same rollout spec
-must produce the same trajectory; ``reference`` runs each spec once, uninterrupted, on servers of
-its own.
+still its own process, and a deployment of four starts in well under a second). All model servers
+use one model seed, so two runs of the same rollout spec produce the same trajectory.
+
+* ``session_fleet``/``gym``: one deployment for the whole session (the wire-conformance suite runs
+  against it); every test leaves it idle, and uses checkpoint and rollout ids of its own (the fence
+  keeps retired ids for the life of the process, and acknowledged attempts stay stale).
+* ``fleet``: a fleet of one test, for fresh deployments (restores need fresh processes).
+* ``reference(specs)``: each spec's result from an uninterrupted run, on servers of its own (cached).
 """
 
 from __future__ import annotations
@@ -25,11 +30,18 @@ def fleet(tmp_path: Path, forkserver: ForkServer) -> Iterator[Fleet]:
     f.close()
 
 
-@pytest.fixture(scope="module")
-def module_fleet(tmp_path_factory: pytest.TempPathFactory, forkserver: ForkServer) -> Iterator[Fleet]:
-    f = new_fleet(tmp_path_factory.mktemp("fleet"), forkserver)
+@pytest.fixture(scope="session")
+def session_fleet(tmp_path_factory: pytest.TempPathFactory, forkserver: ForkServer) -> Iterator[Fleet]:
+    f = new_fleet(tmp_path_factory.mktemp("session-fleet"), forkserver)
     yield f
     f.close()
+
+
+@pytest.fixture(scope="session")
+def gym(session_fleet: Fleet) -> Gym:
+    """The session's deployment: a model slow enough (100 ms a call) that a snapshot catches rollouts
+    mid-flight."""
+    return session_fleet.gym(model_slow_ms=100)
 
 
 @pytest.fixture(scope="session")
@@ -37,17 +49,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory,
               forkserver: ForkServer) -> Iterator[Callable[[list[Spec]], dict[str, dict[str, Any]]]]:
     """``reference(specs)``: each spec's final result from an uninterrupted run (run once, cached)."""
     f = new_fleet(tmp_path_factory.mktemp("reference"), forkserver)
-    gym: Gym | None = None
+    deployment: Gym | None = None
     done: dict[str, tuple[Spec, dict[str, Any]]] = {}
 
     def run(specs: list[Spec]) -> dict[str, dict[str, Any]]:
-        nonlocal gym
+        nonlocal deployment
         todo = [s for s in specs if s.rollout_id not in done]
         if todo:
-            gym = gym or f.gym()
-            gym.start(todo)
-            results = gym.wait_results([s.rollout_id for s in todo])
-            gym.agent.acknowledge([(rid, 0) for rid in results])  # forget them: ids stay reusable
+            deployment = deployment or f.gym()
+            deployment.start(todo)
+            results = deployment.wait_results([s.rollout_id for s in todo])
+            deployment.acknowledge(results.values())  # the agent forgets them
             for s in todo:
                 assert results[s.rollout_id]["outcome"] == "finished", results[s.rollout_id]
                 done[s.rollout_id] = (s, results[s.rollout_id])

@@ -1,22 +1,27 @@
 """Parking the reference agent takes the calls in flight, not one model round trip per rollout.
 
-The agent runs many rollouts through a few call slots. When prepare closes the gate, a rollout
-still waiting for a slot has not started its turn (its model call is not sent), so it must stop at
-once rather than take a slot only to be refused by the paused model. The model and resource
-servers are stand-ins here (httpx's mock transport) so the test can count every model call; the
-real servers' parking is covered by the protocol and coordinator tests.
+The agent runs many rollouts through a few call slots. When a prepare asks every execution to park
+(:meth:`gymkit.agent_control.AgentExecutions.request_park`, what the ``agent-checkpoint/prepare``
+route does first), a rollout still waiting for a slot has not started its turn (its model call is
+not sent), so it must park at once rather than take a slot only to be refused by the paused model
+(409 ``checkpoint_parked``). The model and resources servers are stand-ins here (httpx's mock
+transport) so the test can count every model call; the real servers' parking is covered by the
+protocol and proof tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import msgspec
 
-from refgym.agent_server import MAX_OPEN_CALLS, AgentParticipant
+from gymkit.agent_control import AgentExecutions
+from refgym.agent_server import MAX_OPEN_CALLS, RefAgent, Rollout
 from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
+from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID
 
 ROLLOUTS = 5 * MAX_OPEN_CALLS
 
@@ -33,8 +38,9 @@ class StandIns:
         path = request.url.path
         if path == "/v1/responses":
             self.model_calls += 1
-            if self.paused:
-                return httpx.Response(503, json={"error": "paused", "reason": "checkpoint"})
+            if self.paused:  # Gym's model admission: 409 checkpoint_parked, retry after a second
+                return httpx.Response(409, json={"error": {"code": "checkpoint_parked", "detail": "paused"}},
+                                      headers={"retry-after": "1"})
             await self.release.wait()
             call = json.loads(request.content)
             reply = ModelReply(response_id="r", model="m", capture_key=call["capture_key"],
@@ -43,48 +49,49 @@ class StandIns:
                                digest="0" * 64, parent_resolution="root")
             return httpx.Response(200, content=msgspec.json.encode(reply))
         if path.startswith("/tools/"):
-            body = json.loads(request.content)
-            tool = ToolReply(resource="tools", tool=path.rsplit("/", 1)[1], session_id=body["session_id"],
-                             revision=body["expected_revision"] + 1, result={"value": 1})
-            return httpx.Response(200, content=msgspec.json.encode(tool), headers={REVISION_HEADER: str(tool.revision)})
-        return httpx.Response(200, json={})  # session reset
+            revision = int(request.headers[HEADER_EXPECTED_REVISION]) + 1
+            tool = ToolReply(resource="tools", tool=path.rsplit("/", 1)[1],  # type: ignore[arg-type]
+                             session_id=request.headers[HEADER_ROLLOUT_ID], revision=revision, result={"count": 1})
+            return httpx.Response(200, content=msgspec.json.encode(tool), headers={REVISION_HEADER: str(revision)})
+        return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})  # session reset
 
 
 def test_parking_sends_no_model_call_for_rollouts_still_waiting_for_a_slot() -> None:
-    async def scenario() -> tuple[int, int, int]:
+    async def scenario() -> tuple[int, int, int, bool]:
         stand_ins = StandIns()
-        agent = AgentParticipant("agent0", "http://model.test", "http://resources.test")
-        assert agent.admits_work()  # no kit drives it: rollouts may start
+        executions = AgentExecutions()
+        agent = RefAgent("agent0", "http://model.test", {"notes": "http://resources.test"}, executions)
         agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_ins))
         for i in range(ROLLOUTS):
             agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
         while stand_ins.model_calls < MAX_OPEN_CALLS:  # every turn slot holds a model call in flight
             await asyncio.sleep(0.01)
         in_flight = stand_ins.model_calls
-        prepared = asyncio.ensure_future(agent.prepare(deadline=0))
+        executions.request_park()  # the prepare: close admission, ask every execution to park
         await asyncio.sleep(0.05)
         stand_ins.paused = True  # the model refuses new calls; the held ones finish their turns
         stand_ins.release.set()
-        await asyncio.wait_for(prepared, 30)
+        status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
         calls_at_parked = stand_ins.model_calls
         finished_turns = sum(len(r.trajectory) for r in agent.rollouts.values())
         await agent.close()
-        return in_flight, calls_at_parked, finished_turns
+        return in_flight, calls_at_parked, finished_turns, status.ready_to_commit and status.parked == ROLLOUTS
 
-    in_flight, calls, turns = asyncio.run(scenario())
+    in_flight, calls, turns, all_parked = asyncio.run(scenario())
     assert in_flight == MAX_OPEN_CALLS
     # The rollouts that held a turn slot finished their turn; the others parked without calling the
-    # model (before, each of the 64 waiting rollouts took a call slot and got a 503 first).
+    # model (otherwise each of the 64 waiting rollouts would take a call slot and get a 409 first).
     assert calls == MAX_OPEN_CALLS and turns == MAX_OPEN_CALLS
+    assert all_parked  # every execution parked at a boundary: the agent is ready to commit
 
 
 def test_a_cancelled_rollout_waiting_for_a_slot_gives_its_slot_back() -> None:
     async def scenario() -> int:
-        agent = AgentParticipant("agent0", "http://model.test", "http://resources.test")
+        agent = RefAgent("agent0", "http://model.test", {"notes": "http://resources.test"}, AgentExecutions())
         sem = agent._turn_slots
         for _ in range(MAX_OPEN_CALLS):
             await sem.acquire()
-        waiter = asyncio.ensure_future(agent._slot_unless_parking(sem))
+        waiter = asyncio.ensure_future(agent._slot_unless_parking(Rollout("r0", seed=0, turns=1, tools=["notes"]), sem))
         await asyncio.sleep(0.01)
         sem.release()  # the slot is granted to the waiter ...
         waiter.cancel()  # ... which is cancelled before it runs again
@@ -95,5 +102,3 @@ def test_a_cancelled_rollout_waiting_for_a_slot_gives_its_slot_back() -> None:
         return sem._value
 
     assert asyncio.run(scenario()) == 1  # the slot came back (the other 15 are still held here)
-
-

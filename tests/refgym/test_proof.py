@@ -1,35 +1,45 @@
-"""The proof of issue 4: snapshot rollouts mid-flight, crash every server, restore, and get exactly
-the trajectories of an uninterrupted run, each rollout continuing after its last committed model
-call (or starting over if it used the restart-only sandbox).
+"""The proof: snapshot rollouts mid-flight, crash every server, restore into fresh servers, and get
+exactly the results of an uninterrupted run, each rollout continuing after its last committed model
+call as attempt n+1 (or starting over, if it used the restart-only sandbox).
 
-The test drives the protocol itself, call by call, in the documented order (no coordinator, no
-``gymkit.GymFleet``): each server's typed control client, one call at a time.
+The save and the restore are NeMo-RL's (``gymkit.GymFleet``'s call orders, driven by
+``devtools.gym_fleet``); the rest is what a controller does around them: store and acknowledge the
+finished results before the prepare, find the continuations in the snapshot, discard the
+continuations that depend on a restart-only resources server, and run every unfinished rollout again
+as attempt n+1 after the resume. Gym's files in the snapshot are read as a reader would find them
+(the ``snapformat`` CLI) and judged by Gym's own ``TokenEntry``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
+import pytest
 from nemo_gym.token_id_capture.records import TokenEntry, compute_digest, cumulative_tokens
 
-from devtools.gym_fleet import Fleet, Spec, wait_until
-from gymkit import gym_commit
+from devtools.gym_fleet import Fleet, Spec, restore_all, resume_all, take_snapshot, wait_until
+from gymkit import GymFleet
 from gymkit.token_store import TokenStore
+from schemas.gym_records import AgentContinuationRoot
 from schemas.identity import capture_key
-from snapformat import SnapshotStore, open_snapshot, verify_snapshot
-from snapformat.token_rows import iter_entries
+from snapformat import SnapshotStore, open_snapshot
+from snapformat.cli import main as snapformat_cli
 
-TURNS = 4
-# Finished before the snapshot: two are acknowledged (gone), two are not (must survive it).
-FINISHED = [Spec(f"done{i}", seed=100 + i, turns=2) for i in range(4)]
-# In flight at the snapshot; every fourth also uses the restart-only sandbox.
+TURNS = 6
+#: Finished before the snapshot: the controller stores and acknowledges them before it prepares.
+FINISHED = [Spec(f"done{i}", seed=100 + i, turns=2) for i in range(2)]
+#: In flight at the snapshot; every fourth also uses the restart-only sandbox.
 IN_FLIGHT = [Spec(f"p{i // 4}_g{i % 4}", seed=i, turns=TURNS, tools=("notes", "sandbox") if i % 4 == 3 else ("notes",))
              for i in range(12)]
 
 
-async def _captured(url: str, keys: set[str]) -> dict[tuple[str, str], dict]:
+async def _captured(url: str, keys: set[str]) -> dict[tuple[str, str], dict[str, Any]]:
     """Every TokenEntry the store holds for ``keys``, read as a trainer would (a fresh instance)."""
     store = TokenStore(url)
     try:
@@ -44,143 +54,188 @@ def call_index(call_id: str | None) -> int:
     return -1 if call_id is None else int(call_id.removeprefix("call-"))
 
 
-def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path: Path, reference) -> None:
+def without_revisions(trajectory: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A trajectory without the resources servers' state revisions (bookkeeping of the server, not
+    of the rollout: a session restored as attempt n+1 keeps counting from its saved revision)."""
+    return [{**turn, "tool_results": [{k: v for k, v in tr.items() if k != "revision"} for tr in turn["tool_results"]]}
+            for turn in trajectory]
+
+
+def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path: Path, reference,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     expected = reference(FINISHED + IN_FLIGHT)
 
-    # -- run: a slow model, so turns take a while and the snapshot lands mid-flight ------------
+    # -- run: a slow model, so turns take a while and the snapshot lands mid-flight --------------
     gym = fleet.gym(model_slow_ms=200)
     gym.start(FINISHED)
     gym.wait_results([s.rollout_id for s in FINISHED])
-    gym.agent.acknowledge([("done0", 0), ("done1", 0)])
     gym.start(IN_FLIGHT)
     wait_until(lambda: all(r["turns_done"] >= 1 for r in gym.agent.get("/rollouts") if r["rollout_id"].startswith("p")),
                "every in-flight rollout to finish its first turn")
 
-    # -- snapshot, driven call by call ------------------------------------------------------------
-    ck, deadline = "ckpt-1", time.time() + 30
-    assert gym.model.prepare(ck, deadline).phase == "prepared"  # pause: refuse new calls, drain
-    assert gym.agent.prepare(ck, deadline).phase == "prepared"  # park every rollout at a turn end
-    assert gym.resource.prepare(ck, deadline).phase == "prepared"  # freeze sessions
-    for c in gym.clients:
-        assert c.status().in_flight == 0
+    # -- the save: acknowledge what finished, prepare, commit into the draft, adopt, publish, resume ----
     store = SnapshotStore(str(tmp_path / "store"))
-    draft = store.begin()
-    agent = gym.agent.commit(ck, deadline, draft.url)
-    model = gym.model.commit(ck, deadline, draft.url, continuations=[agent.part])
-    resource = gym.resource.commit(ck, deadline, draft.url)
-    commits = [(gym.agent.caps, agent), (gym.model.caps, model), (gym.resource.caps, resource)]  # commit order
-    fingerprint = gym.fingerprint()
-    published = draft.publish(receipts=[agent.part, model.part, resource.part],
-                              gym_commit=gym_commit(ck, commits), topology_fingerprint=fingerprint)
-    for c in (gym.resource, gym.model, gym.agent):  # resume order: what agents call first opens first
-        assert c.resume(ck).admission == "accepting"
+    snap = take_snapshot(gym, store, "ckpt-1")
+    assert set(snap.collected) == {s.rollout_id for s in FINISHED}  # stored, then acknowledged
+    for rid, result in snap.collected.items():
+        assert result["trajectory"] == expected[rid]["trajectory"]
+    url = snap.published.url
+    opened = open_snapshot(url)
+    assert opened.manifest.topology_fingerprint == f"sha256:{snap.fingerprint}"
 
-    snap = open_snapshot(published.url)
-    assert verify_snapshot(snap).ok  # every byte, and every token-index entry points at its call's row
-    continuations = {c.rollout_id: c for c in snap.records("continuations")}
-    states = {s.rollout_id: s for s in snap.records("agent_state")}
-    saved_ledger = {(e.capture_key, e.model_call_id) for e in snap.records("ledger")}
-    saved_sessions = {s.session_id: s.state_revision for s in snap.records("sessions")}
-    # Gym's own code judges the model server's token records: each validates as Gym's TokenEntry
-    # unchanged, and its digest is Gym's compute_digest of its cumulative tokens.
-    (tokens,) = snap.files("token_capture_rows")
-    for entry in iter_entries(snap.open_rows(tokens), tokens.path):
-        gym_entry = TokenEntry.model_validate(entry)
-        assert gym_entry.model_dump(mode="json") == entry
-        assert gym_entry.digest == compute_digest(cumulative_tokens(gym_entry))
-    # The model server captured every call through its token store (Gym's TokenSink) before answering;
-    # the snapshot's part is a copy of the committed ones, equal to what the store holds.
-    committed = list(iter_entries(snap.open_rows(tokens), tokens.path))
-    captured = asyncio.run(_captured(gym.token_store, {e["rollout_id"] for e in committed}))
-    for entry in committed:
-        assert captured[(entry["rollout_id"], entry["model_call_id"])] == entry
-    # Sessions name their resource server as the participant and the continuations do.
-    resource_name = gym.resource.caps.name
-    assert {s.resource for s in snap.records("sessions")} == {resource_name}
-    assert {name for c in snap.records("continuations") for name in (c.resource_state_revisions or {})} <= {resource_name}
-    # Finished results: the acknowledged ones are gone, the others are kept as unacknowledged.
-    assert {"done2", "done3"} <= {rid for rid, s in states.items() if s.status == "finished_unacked"}
-    assert not {"done0", "done1"} & set(states)
-    parked = {rid: c for rid, c in continuations.items() if rid.startswith("p")}
-    assert parked, "the snapshot caught no rollout in flight"
-    # Every rollout is in the snapshot: parked, or finished and not yet acknowledged.
-    assert {s.rollout_id for s in IN_FLIGHT} <= set(states)
-    # The model's part holds exactly the committed calls the continuations depend on, and each
-    # call's token-capture row (found through the token index) holds that turn's tokens.
-    assert saved_ledger == {(c.capture_key, f"call-{i}") for c in parked.values()
-                            for i in range(call_index(c.last_committed_model_call_id) + 1)}
-    for rid, c in parked.items():
-        for i, turn in enumerate(states[rid].state["trajectory"]):
-            row = snap.token_rows(c.capture_key, f"call-{i}").to_pylist()[0]
-            assert (row["generation_token_ids"], row["generation_log_probs"]) == \
-                (turn["generation_token_ids"], turn["generation_log_probs"])
+    # Gym's files verify, as every file of the snapshot does ...
+    assert snapformat_cli(["verify", url]) == 0
+    assert capsys.readouterr().out.startswith("OK ")
+    # ... and the continuation index a reader finds is Gym's own compact file, digest-bound by the
+    # reference the agent's commit answered (kept verbatim in the manifest's gym_commit).
+    (agent_commit,) = [p for p in opened.manifest.gym_commit.participants if p.component == "responses_api_agents"]
+    ref = agent_commit.payload["continuation_index"]
+    (entry,) = [f for f in opened.manifest.files if f.path == f"gym/{ref['relative_path']}"]
+    assert entry.kind == "gym_file" and entry.path.startswith(f"{agent_commit.part_prefix}/")
+    data = opened.read_bytes(entry)
+    assert (hashlib.sha256(data).hexdigest(), len(data), data.count(b"\n")) == (ref["sha256"], ref["bytes"],
+                                                                               ref["records"])
+    assert snapformat_cli(["cat", url, "continuations"]) == 0
+    assert capsys.readouterr().out.encode() == data  # `snapformat cat SNAP continuations` prints Gym's lines
+    roots = {}
+    for line in data.splitlines():
+        root = msgspec.json.decode(line, type=AgentContinuationRoot)
+        assert msgspec.json.encode(root) == line  # compact, fields in Gym's order, no spaces
+        roots[root.rollout_id] = root
+    parked = {s.rollout_id for s in IN_FLIGHT}
+    assert set(roots) == parked  # every rollout was parked after a committed model call
+    for rid, root in roots.items():
+        assert root.attempt_index == 0 and root.capture_key == rid and root.last_committed_model_call_id
+        used = {"tools", "sandbox"} if rid.endswith("_g3") else {"tools"}
+        assert set(root.resource_state_revisions or {}) == used
+
+    # The model's ledger holds exactly the calls the roots depend on; Gym's TokenEntry accepts each
+    # row's token record unchanged, its digest is Gym's, and the token store captured the same record.
+    ledger_dir = Path(url) / "gym" / "model-ledger" / "policy0"
+    ledger_manifest = json.loads((ledger_dir / "manifest.json").read_bytes())
+    assert set(ledger_manifest["rollouts"]) == set(roots)
+    committed: list[dict[str, Any]] = []
+    for key, root in roots.items():
+        rows = [json.loads(line) for line in (ledger_dir / f"{key}.lineage.jsonl").read_bytes().splitlines()]
+        assert [r["entry"]["model_call_id"] for r in rows] == [
+            f"call-{i}" for i in range(call_index(root.last_committed_model_call_id) + 1)]
+        for row in rows:
+            token = TokenEntry.model_validate(row["token"])
+            assert token.model_dump(mode="json") == row["token"]
+            assert token.digest == compute_digest(cumulative_tokens(token))
+            committed.append(row["token"])
+    captured = asyncio.run(_captured(gym.token_store, set(roots)))
+    for token in committed:
+        assert captured[(token["rollout_id"], token["model_call_id"])] == token
+    # The notes sessions were saved at the revisions the continuations depend on.
+    resources_dir = Path(url) / "gym" / "resources" / "tools"
+    for rid, root in roots.items():
+        saved = json.loads((resources_dir / f"{rid}.a0.json").read_bytes())
+        assert saved["state_revision"] == root.resource_state_revisions["tools"]
 
     # -- the run goes on for a bit, then every server crashes ------------------------------------
     seen = len(gym.ledger())
     wait_until(lambda: len(gym.ledger()) > seen, "progress after the snapshot")
-    for p in gym.trio.all:
+    for p in gym.servers.all:
         p.kill()
 
-    # -- fresh servers: restore (all stay paused), discard restart-only rollouts, resume ---------
+    # -- fresh servers: restore (all stay paused), discard restart-only continuations, resume -------
     fresh = fleet.gym()
-    assert fresh.fingerprint() == fingerprint
-    rid_, deadline = "restore-1", time.time() + 30
-    answers = {c.caps.component: c.restore(rid_, deadline, published.url, ck, fingerprint) for c in fresh.clients}
-    assert {a.phase for a in answers.values()} == {"restored_paused"}
-    restored = {c["rollout_id"]: c for c in answers["agent"].payload["continuations"]}
-    assert set(restored) == set(continuations)
-    for rid, c in continuations.items():
-        assert restored[rid]["attempt_index"] == c.attempt_index + 1
-        assert restored[rid]["capture_key"] == capture_key(rid, c.attempt_index + 1)
-        assert restored[rid]["after_call"] == c.last_committed_model_call_id
-    # Before resume: the restored ledger and sessions are exactly what the snapshot holds.
-    assert {(e["capture_key"], e["model_call_id"]) for e in fresh.ledger()} == saved_ledger
-    notes = fresh.resource.get("/sessions")["notes"]
-    assert {sid: s["revision"] for sid, s in notes.items()} == saved_sessions
-    for rid, c in parked.items():
-        if c.resource_state_revisions:
-            assert notes[rid]["revision"] == c.resource_state_revisions["tools"]
-    start_over = sorted(rid for rid, c in restored.items() if c["restart_only"])
-    assert start_over, "no rollout used the restart-only sandbox before the snapshot"
-    assert fresh.agent.discard(rid_, deadline, [(rid, restored[rid]["attempt_index"]) for rid in start_over])
-    for c in (fresh.resource, fresh.model, fresh.agent):
-        assert c.resume(rid_).admission == "accepting"
+    assert fresh.fingerprint() == snap.fingerprint
+    restored = restore_all(fresh, snap, "restore-1")
+    replies = {p.component: p.reply for p in restored.participants}
+    assert replies["responses_api_agents"].continuation_index == msgspec.convert(ref, type(
+        replies["responses_api_agents"].continuation_index))
+    assert {(a.rollout_id, a.attempt_index) for a in replies["responses_api_models"].source_attempts} == {
+        (rid, 0) for rid in roots}
+    assert replies["resources_servers"].source_checkpoint_id == "ckpt-1"
+    # Before resume: the restored ledger is the snapshot's; the notes sessions are attempt 1's.
+    assert {(e["capture_key"], e["model_call_id"]) for e in fresh.ledger()} == {
+        (t["rollout_id"], t["model_call_id"]) for t in committed}
+    notes = fresh.resource.get("/sessions")
+    for rid, root in roots.items():
+        assert notes[f"{rid}.a1"]["revision"] == root.resource_state_revisions["tools"]
+    # Which continuations depend on a restart-only resources server: the topology says which those
+    # are, the continuation index which rollouts used them.
 
-    results = fresh.wait_results([s.rollout_id for s in IN_FLIGHT] + ["done2", "done3"])
-    assert "done0" not in fresh.results() and "done1" not in fresh.results()
+    async def discard(fleet_: GymFleet) -> list[str]:
+        restart_only = set(fleet_.topology.restart_only_resources())
+        start_over = sorted(rid for rid, root in roots.items() if set(root.resource_state_revisions or {}) & restart_only)
+        result = await fleet_.discard_restored_agent_continuations(
+            "restore-1", time.time() + 30, [{"rollout_id": rid, "attempt_index": 1} for rid in start_over])
+        assert result.discarded == len(start_over)
+        return start_over
 
-    # -- every trajectory equals the uninterrupted run's -----------------------------------------
+    start_over = fresh.fleet(discard)
+    assert start_over == sorted(s.rollout_id for s in IN_FLIGHT if "sandbox" in s.tools)
+    resume_all(fresh, "restore-1")
+    # The controller runs every unfinished rollout again, as attempt n+1.
+    fresh.rerun(IN_FLIGHT, {rid: root.attempt_index + 1 for rid, root in roots.items()})
+    results = fresh.wait_results([s.rollout_id for s in IN_FLIGHT])
+
+    # -- every result equals the uninterrupted run's -------------------------------------------------
     for rid, res in results.items():
         assert res["outcome"] == "finished", res
-        assert res["trajectory"] == expected[rid]["trajectory"], f"{rid} differs from the uninterrupted run"
+        if rid in start_over:  # started over: the notes session counts on from its restored revision
+            assert without_revisions(res["trajectory"]) == without_revisions(expected[rid]["trajectory"])
+        else:
+            assert res["trajectory"] == expected[rid]["trajectory"], f"{rid} differs from the uninterrupted run"
+        assert res["input_ids"] == expected[rid]["input_ids"]
 
     # -- and each rollout continued where it was committed (or started over) ---------------------
     ledger = fresh.ledger()
     continued = 0
-    for rid, c in parked.items():
-        new_key = capture_key(rid, c.attempt_index + 1)
+    for rid, root in roots.items():
+        new_key = capture_key(rid, 1)
         res = results[rid]
-        assert (res["attempt_index"], res["capture_key"]) == (c.attempt_index + 1, new_key) == (1, f"{rid}-a1")
+        assert (res["attempt_index"], res["capture_key"]) == (1, new_key) == (1, f"{rid}-a1")
         new_calls = [e for e in ledger if e["capture_key"] == new_key]
-        old_calls = {e["model_call_id"] for e in ledger if e["capture_key"] == c.capture_key}
-        k = call_index(c.last_committed_model_call_id)
-        if rid in start_over:  # used the sandbox: thrown away, run n+1 from the first turn
-            assert states[rid].restart_only == ["sandbox"]
+        old_calls = {e["model_call_id"] for e in ledger if e["capture_key"] == rid}
+        k = call_index(root.last_committed_model_call_id)
+        assert old_calls == {f"call-{i}" for i in range(k + 1)}  # attempt 0 ends at its committed call
+        if rid in start_over:  # used the sandbox: thrown away, attempt 1 from the first turn
             assert [e["model_call_id"] for e in new_calls] == [f"call-{i}" for i in range(TURNS)]
             assert new_calls[0]["parent_call_id"] is None
             assert res["turn_keys"] == [new_key] * TURNS
             continue
-        # The old run is closed: no call of attempt n beyond the restored ones.
-        assert old_calls == {f"call-{i}" for i in range(k + 1)}
         assert [e["model_call_id"] for e in new_calls] == [f"call-{i}" for i in range(k + 1, TURNS)]
         first = new_calls[0]
-        assert first["parent_call_id"] == c.last_committed_model_call_id
-        assert first["parent_resolution"] == ("resolved" if k >= 0 else "root")
-        assert res["turn_keys"] == [c.capture_key] * (k + 1) + [new_key] * (TURNS - k - 1)
-        assert res["trajectory"][:k + 1] == states[rid].state["trajectory"]  # the kept turns, unchanged
-        continued += k >= 0
+        assert first["parent_call_id"] == root.last_committed_model_call_id
+        assert first["parent_resolution"] == "resolved"  # its parent is attempt 0's call, restored
+        assert res["turn_keys"] == [rid] * (k + 1) + [new_key] * (TURNS - k - 1)
+        continued += 1
     assert continued, "no rollout continued after a committed model call"
-    for rid, state in states.items():  # unacknowledged finished results came back as they were
-        if state.status == "finished_unacked":
-            assert (results[rid]["attempt_index"], results[rid]["capture_key"]) == (0, rid)
-            assert results[rid]["trajectory"] == state.state["trajectory"]
+    # The finished results were acknowledged before the save: nothing of them came back.
+    assert not {s.rollout_id for s in FINISHED} & set(fresh.results())
+
+
+def test_on_an_object_store_gym_files_go_through_staging_folders(fleet: Fleet, seaweed, aws_env, new_bucket,
+                                                                  reference) -> None:
+    """Store on SeaweedFS: the servers write into a local staging folder, which is adopted (uploaded)
+    into the draft; the restore downloads the Gym parts (checked) into a staging folder of its own.
+    Both folders are gone afterwards; the restored rollouts finish as an uninterrupted run does."""
+    specs = [Spec(f"s3r{i}", seed=40 + i, turns=6) for i in range(3)]
+    expected = reference(specs)
+    aws_env(seaweed)
+    store = SnapshotStore(f"s3://{new_bucket(seaweed)}/run")
+    gym = fleet.gym(model_slow_ms=100)
+    gym.start(specs)
+    wait_until(lambda: all(r["turns_done"] >= 1 for r in gym.agent.get("/rollouts")), "every first turn")
+    snap = take_snapshot(gym, store, "ckpt-s3")
+    staged = Path(snap.commit.checkpoint_dir)
+    assert not staged.exists()  # the staging folder was removed once the draft held the parts
+    opened = open_snapshot(snap.published.url)
+    assert snap.published.url.startswith("s3://") and {p.part_prefix for p in opened.manifest.gym_commit.participants} == {
+        f"gym/agent/instance-{hashlib.sha256(b'agent0').hexdigest()}", "gym/model-ledger/policy0", "gym/resources/tools"}
+    for p in gym.servers.all:
+        p.kill()
+    fresh = fleet.gym()
+    restored = restore_all(fresh, snap, "restore-s3")
+    assert not Path(restored.checkpoint_dir).exists()  # the download was removed after the restore
+    (agent,) = [p.reply for p in restored.participants if p.component == "responses_api_agents"]
+    resume_all(fresh, "restore-s3")
+    fresh.rerun(specs, {s.rollout_id: 1 for s in specs})
+    results = fresh.wait_results([s.rollout_id for s in specs])
+    assert agent.records == len(specs)
+    for s in specs:
+        assert results[s.rollout_id]["trajectory"] == expected[s.rollout_id]["trajectory"]

@@ -1,8 +1,10 @@
 """``python -m refgym.serve`` as a fresh interpreter (the tests otherwise fork servers): it binds
-127.0.0.1 only, reports its port, and guards its control routes with the token from the file."""
+127.0.0.1 only, reports its port, serves ``GET capabilities`` without a token and guards every other
+control route with the token from the file."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -10,6 +12,7 @@ import httpx
 from devtools.gym_fleet import listening_addresses
 from devtools.gym_procs import launch
 from gymkit import ControlClient
+from schemas.control import CONTROL_PREFIX, UNAUTHORIZED_DETAIL
 
 
 def test_serve_binds_loopback_only_and_reads_its_token_from_a_file(tmp_path: Path) -> None:
@@ -19,10 +22,15 @@ def test_serve_binds_loopback_only_and_reads_its_token_from_a_file(tmp_path: Pat
     try:
         server.wait_ready(timeout=60)
         assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, nothing else
-        client = ControlClient(server.url, "s3cret")
-        assert client.capabilities().name == "tools"
-        assert httpx.get(f"{server.url}/ng-control/v1/capabilities").status_code == 401
-        client.close()
+        caps = httpx.get(f"{server.url}{CONTROL_PREFIX}/capabilities")  # the one route without a token
+        assert caps.status_code == 200 and caps.json()["name"] == "tools"
+        body = {"checkpoint_id": "ck-serve", "deadline_ts": time.time() + 30}
+        refused = httpx.post(f"{server.url}{CONTROL_PREFIX}/resources-checkpoint/prepare", json=body)
+        assert (refused.status_code, refused.json()) == (401, {"detail": UNAUTHORIZED_DETAIL})
+        with ControlClient(server.url, "s3cret") as client:  # the file's token, without its newline
+            assert client.capabilities().checkpoint_mode == "export_restore"
+            assert client.resources.prepare("ck-serve", body["deadline_ts"]).state == "prepared"
+            assert client.resources.resume("ck-serve", body["deadline_ts"]).state == "accepting"
     finally:
         server.kill()
     assert not server.alive()

@@ -93,9 +93,9 @@ def test_conform_fills_a_missing_nullable_column_with_nulls() -> None:
 def test_conform_refuses_a_missing_required_token_column(column: str) -> None:
     batch = token_batch([token_row(0)]).drop_columns([column])
     with pytest.raises(InvalidRecordError) as err:
-        conform("token_capture_rows", batch, "gym/model/policy0/tokens.arrow")
+        conform("token_capture_rows", batch, "tq/token_capture.arrow")
     assert f"column {column!r} is missing" in str(err.value)
-    assert "gym/model/policy0/tokens.arrow" in str(err.value)
+    assert "tq/token_capture.arrow" in str(err.value)
 
 
 @pytest.mark.parametrize("column", [f.name for f in TRAINING_SCHEMA if not f.nullable])
@@ -138,8 +138,8 @@ def test_good_rows_pass() -> None:
 
 def _refused(kind: str, batch: pa.RecordBatch) -> str:
     with pytest.raises(InvalidRecordError) as err:
-        validate_batch(kind, batch, "gym/model/policy0/tokens.arrow: batch 0")
-    assert "gym/model/policy0/tokens.arrow: batch 0" in str(err.value)
+        validate_batch(kind, batch, "tq/token_capture.arrow: batch 0")
+    assert "tq/token_capture.arrow: batch 0" in str(err.value)
     return str(err.value)
 
 

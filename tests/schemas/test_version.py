@@ -4,9 +4,12 @@ Each snapshot-level case publishes a real snapshot, then rewrites ``manifest.jso
 and its commit record consistently (size and checksum updated), so that only the version check
 can refuse it; an unchanged rewrite is shown to open. Proves that:
 - a manifest of a newer major version (``2.0``) or with an unknown required feature is refused
-  with ``VersionError`` naming the file, the snapshot's version and this reader's (``1.1``);
+  with ``VersionError`` naming the file, the snapshot's version and this reader's (``1.2``);
 - an older, the same or a newer minor version without unknown required features is read;
-- this reader (format 1.1) knows ``dataplane_rows`` and still refuses the reserved ``shared_objects``;
+- this reader (format 1.2) knows ``dataplane_rows`` and still refuses the reserved ``shared_objects``;
+- format 1.2's kind ``gym_file`` needs no feature (SPEC §13.1): a snapshot of Gym's files lists none,
+  a reader that does not know the kind reads the rest of it and verifies its bytes, and an older
+  restore refuses it by its topology fingerprint (the 1.1 recipe recomputed here never matches);
 - a commit record or store marker of another major version is refused the same way;
 - a JSON line (plain or zstd) or loader place with ``schema_version`` 2 is refused with
   ``VersionError``, and one with ``schema_version`` 0 with a typed error, each naming file and line.
@@ -14,7 +17,9 @@ can refuse it; an unchanged rewrite is shown to open. Proves that:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,13 +27,21 @@ from typing import Any
 import pytest
 
 from schemas.controller import LoaderPlace
-from schemas.errors import InvalidRecordError, SnapshotError, VersionError
+from schemas.errors import InvalidRecordError, SnapshotError, TopologyMismatchError, VersionError
 from schemas.gym_records import AgentContinuationRoot
+from schemas.manifest import FileKind
 from schemas.version import (
-    FORMAT_VERSION, KNOWN_FEATURES, RESERVED_FEATURES, check_readable, check_record_version, features_of_kinds,
+    FORMAT_VERSION,
+    KIND_FEATURES,
+    KINDS_WITHOUT_FEATURE,
+    KNOWN_FEATURES,
+    RESERVED_FEATURES,
+    check_readable,
+    check_record_version,
+    features_of_kinds,
     parse_version,
 )
-from snapformat import SnapshotStore, layout, open_snapshot, verify_snapshot
+from snapformat import SnapshotStore, example, layout, open_snapshot, verify_snapshot
 from snapformat.checksum import checksum_bytes
 from snapformat.publish import Published
 
@@ -92,7 +105,7 @@ def test_an_unchanged_rewrite_still_opens(tmp_path: Path) -> None:
     assert verify_snapshot(store.open(1)).ok
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1", "1.17"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2", "1.17"])
 def test_same_major_is_read(tmp_path: Path, version: str) -> None:
     store, pub = publish_small(tmp_path)
     rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version=version, a_newer_field={"x": 1}))
@@ -133,7 +146,7 @@ def test_unparseable_version_is_refused(tmp_path: Path, version: str) -> None:
 
 
 def test_commit_record_of_a_newer_major_is_refused(tmp_path: Path) -> None:
-    store, pub = publish_small(tmp_path)
+    store, _pub = publish_small(tmp_path)
     commit_path = tmp_path / layout.commit_key(1)
     commit = json.loads(commit_path.read_bytes()) | {"format_version": "2.0"}
     commit_path.write_bytes(json.dumps(commit).encode())
@@ -155,7 +168,7 @@ def test_store_marker_of_a_newer_major_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("compress", ["none", "zstd"])
 def test_newer_record_line_is_refused_naming_file_and_line(tmp_path: Path, compress: str) -> None:
     lines = [continuation(0), continuation(1), continuation(2, schema_version=2), continuation(3)]
-    store, pub = publish_small(tmp_path, lines, compress=compress)
+    store, _pub = publish_small(tmp_path, lines, compress=compress)
     snap = store.open(1)
     entry = snap.files("continuations")[0]
     with pytest.raises(VersionError) as err:
@@ -217,15 +230,83 @@ def test_check_readable() -> None:
     with pytest.raises(VersionError, match="shared_objects"):
         check_readable("1.0", ["shared_objects"], "m")
     with pytest.raises(VersionError, match=r"shared_objects \(format version 1.1\); this reader \(format version "
-                                           r"1.1\) knows dataplane_rows"):
+                                           r"1.2\) knows dataplane_rows"):
         check_readable("1.1", ["dataplane_rows", "shared_objects"], "m")
+    check_readable("1.2", [], "m")
+    check_readable("1.2", ["dataplane_rows"], "m")
 
 
 def test_format_1_1_defines_the_dataplane_rows_feature() -> None:
-    assert FORMAT_VERSION == "1.1"
     assert KNOWN_FEATURES == {"dataplane_rows"} and not KNOWN_FEATURES & RESERVED_FEATURES
     assert features_of_kinds(["dataplane_rows", "training_rows"]) == ["dataplane_rows"]
     assert features_of_kinds(["training_rows", "token_capture_rows", "continuations"]) == []
+
+
+def test_format_1_2_adds_gym_file_without_a_feature() -> None:
+    from snapformat.kinds import GYM_KINDS
+
+    assert FORMAT_VERSION == "1.2"
+    assert KNOWN_FEATURES == {"dataplane_rows"}  # 1.2 adds none
+    assert "gym_file" in KINDS_WITHOUT_FEATURE and "gym_file" not in KIND_FEATURES
+    assert features_of_kinds(["gym_file", "part_manifest", "training_rows", "token_capture_rows", "replay_index",
+                              "recovery_ledger", "loader_place"]) == []
+    assert features_of_kinds(["gym_file", "dataplane_rows"]) == ["dataplane_rows"]
+    known_kinds = set(typing.get_args(FileKind)) | GYM_KINDS
+    assert set(KIND_FEATURES) <= known_kinds and set(KINDS_WITHOUT_FEATURE) <= known_kinds
+    assert not set(KIND_FEATURES) & set(KINDS_WITHOUT_FEATURE)
+
+
+def publish_gym_example(root: Path) -> tuple[SnapshotStore, Published]:
+    store = SnapshotStore(str(root))
+    draft = store.begin()
+    gym, receipts = example.write_example(draft, count=8, seed=5)
+    return store, draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=example.TOPOLOGY)
+
+
+def test_a_snapshot_of_gyms_files_lists_no_feature(tmp_path: Path) -> None:
+    store, pub = publish_gym_example(tmp_path)
+    m = store.open(1).manifest
+    assert m.format_version == "1.2" and m.required_features == []
+    assert any(f.kind == "gym_file" for f in m.files) and pub.manifest == m
+
+
+def test_a_reader_that_does_not_know_gym_file_reads_the_rest(tmp_path: Path) -> None:
+    """What a 1.1 reader does with a 1.2 snapshot: Gym's files are of a kind it does not know (here
+    renamed so this reader does not know it either); it reads every other part and verifies the
+    skipped files' bytes."""
+    store, pub = publish_gym_example(tmp_path)
+    before = store.open(1)
+    loader, replay = before.records("loader"), before.records("replay_index")
+    training = before.read_table("training")
+    rewrite_manifest(tmp_path, pub, lambda m: [f.update(kind="gym_file_of_a_newer_minor") for f in m["files"]
+                                               if f["kind"] == "gym_file"])
+    snap = store.open(1)
+    assert snap.files("gym_file") == [] and len(snap.files("gym_file_of_a_newer_minor")) == len(before.files("gym_file"))
+    assert snap.records("loader") == loader and snap.records("replay_index") == replay
+    assert snap.read_table("training").equals(training)
+    report = verify_snapshot(snap)
+    assert report.ok, report.problems
+    assert report.files_checked == len(snap.manifest.files)
+    (entry,) = [f for f in snap.manifest.files if f.path.endswith("/continuations.jsonl")]
+    path = tmp_path / layout.snapshot_dir(pub.manifest.snapshot_id) / entry.path
+    path.write_bytes(path.read_bytes()[:-1] + b"!")  # an unknown kind's bytes are still checked
+    assert [p.file for p in verify_snapshot(store.open(1)).problems] == [entry.path]
+
+
+def test_an_older_restore_refuses_a_1_2_snapshot_by_its_fingerprint(tmp_path: Path) -> None:
+    """A 1.0 or 1.1 coordinator hashes a JSON array of its own contracts; NeMo-RL's recipe hashes a
+    JSON object of Gym's. The two never match, so an older restore stops at the fingerprint."""
+    store, _ = publish_gym_example(tmp_path)
+    for contracts in (example.CONTRACTS, [{"component": c["participant"]["component"],
+                                           "name": c["participant"]["participant_name"]} for c in example.CONTRACTS]):
+        items = sorted(contracts, key=lambda c: (str(c.get("component", "")), str(c.get("name", ""))))
+        old = "sha256:" + hashlib.sha256(json.dumps(items, sort_keys=True, separators=(",", ":"),
+                                                    ensure_ascii=False).encode()).hexdigest()
+        assert old != example.TOPOLOGY
+        with pytest.raises(TopologyMismatchError) as err:
+            store.latest_matching(old)
+        assert old in str(err.value) and example.TOPOLOGY in str(err.value)
+    assert store.latest_matching(example.TOPOLOGY).sequence == 1
 
 
 def test_a_1_0_reader_refuses_dataplane_rows_naming_both_versions(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from snapformat import SnapshotStore
 from snapformat.cli import main
-from snapformat.example import TOPOLOGY, write_example
+from snapformat.example import AGENT, MODEL, TOPOLOGY, gym_prefix, write_example, write_legacy_example
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,16 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         draft = s.begin()
         gym, receipts = write_example(draft, count=40, seed=seed)
         draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=TOPOLOGY)
+    return root
+
+
+@pytest.fixture(scope="module")
+def legacy_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A snapshot of the format 1.0/1.1 layout: Gym parts of this project's own record kinds."""
+    root = tmp_path_factory.mktemp("cli-legacy") / "store"
+    draft = SnapshotStore(str(root)).begin()
+    gym, receipts = write_legacy_example(draft, count=40, seed=1)
+    draft.publish(receipts=receipts, gym_commit=gym)
     return root
 
 
@@ -78,12 +88,25 @@ def test_show_by_url_and_by_store(store: Path, capsys) -> None:
     assert code == 0
     shown = json.loads(out)
     assert shown["sequence"] == 2 and shown["parent"]["sequence"] == 1
-    assert shown["kinds"]["continuations"]["records"] > 0
+    assert shown["kinds"]["gym_file"]["records"] > 0
+    parts = {g["prefix"]: g for g in shown["gym_parts"]}
+    assert parts[gym_prefix("responses_api_agents", AGENT)]["records"]["continuations"] > 0
+    assert parts[gym_prefix("responses_api_models", MODEL)]["records"]["lineage_rows"] > 0
     assert {p["name"] for p in shown["gym_commit"]["participants"]} == {"agent0", "policy0", "tools"}
     code, out2, _ = run(capsys, "show", str(store), "--json")
     assert code == 0 and json.loads(out2)["snapshot_id"] == shown["snapshot_id"]
     code, text, _ = run(capsys, "show", latest_url(store))
     assert code == 0 and "token_capture_rows" in text and "sequence 2" in text
+    assert "gym parts:" in text and gym_prefix("responses_api_agents", AGENT) in text
+
+
+def test_show_of_the_legacy_layout_lists_its_record_kinds(legacy_store: Path, capsys) -> None:
+    code, out, _ = run(capsys, "show", str(legacy_store), "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert all(shown["kinds"][kind]["records"] > 0 for kind in (
+        "continuations", "agent_state", "model_ledger", "token_index", "session_state", "token_capture_rows"))
+    assert shown["gym_parts"] == []  # no file of Gym's own: nothing to summarise as a Gym folder
 
 
 def test_verify_ok_then_fails_naming_the_corrupt_file(tmp_path: Path, capsys) -> None:
@@ -93,7 +116,7 @@ def test_verify_ok_then_fails_naming_the_corrupt_file(tmp_path: Path, capsys) ->
     published = draft.publish(receipts=receipts, gym_commit=gym)
     code, out, _ = run(capsys, "verify", published.url, "--json")
     assert code == 0 and json.loads(out)["ok"] is True
-    victim = next(f for f in published.manifest.files if f.kind == "model_ledger")
+    victim = next(f for f in published.manifest.files if f.path.endswith(".lineage.jsonl"))  # Gym's model ledger
     path = Path(published.url) / victim.path
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -137,10 +160,17 @@ def test_export_parquet_queryable_by_duckdb(store: Path, tmp_path: Path, capsys)
     con = duckdb.connect()
     got = con.execute(f"select count(*), min(len(input_ids)) from read_parquet('{out_file}')").fetchone()
     assert got[0] == expected and got[1] > 0
-    ledger = tmp_path / "ledger.parquet"
-    code, _, _ = run(capsys, "export", url, "ledger", str(ledger))
+    replay = tmp_path / "replay.parquet"
+    code, _, _ = run(capsys, "export", url, "replay", str(replay))
     assert code == 0
-    assert con.execute(f"select count(distinct capture_key) from read_parquet('{ledger}')").fetchone()[0] > 0
+    assert con.execute(f"select count(distinct rollout_id) from read_parquet('{replay}')").fetchone()[0] > 0
+
+
+def test_export_a_record_kind_of_the_legacy_layout(legacy_store: Path, tmp_path: Path, capsys) -> None:
+    ledger = tmp_path / "ledger.parquet"
+    code, _, _ = run(capsys, "export", str(legacy_store), "ledger", str(ledger))
+    assert code == 0
+    assert duckdb.connect().execute(f"select count(distinct capture_key) from read_parquet('{ledger}')").fetchone()[0] > 0
 
 
 def test_gc_json_reports_swept_drafts(tmp_path: Path, capsys) -> None:
@@ -175,7 +205,8 @@ def test_missing_store_or_snapshot_exits_1(store: Path, tmp_path: Path, capsys, 
     ["frobnicate"],
     ["cat", "{url}", "no-such-part"],
     ["export", "{url}", "training", "out.csv"],
-    ["cat", "{url}", "ledger", "--format", "csv"],
+    ["cat", "{url}", "replay", "--format", "csv"],
+    ["cat", "{url}", "continuations", "--format", "csv"],
     ["cat", "{url}"],
 ])
 def test_bad_usage_exits_2(store: Path, capsys, args: list[str]) -> None:

@@ -32,8 +32,9 @@ from snapformat import SnapshotStore, example, layout, open_snapshot, verify_sna
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 RANDOM_RUNS = 50
-# A loop iteration takes ~40-150 ms (publish ~10-20 ms of it), so kills spread over the first few
-# iterations: while writing rows, between parts, during publish and during retention.
+# A loop iteration takes ~20-300 ms (publish ~3-50 ms of it: most of the writing is Gym's folders,
+# many small files each fsynced), so kills spread over the first few iterations: while writing Gym's
+# files and rows, between parts, during publish and during retention.
 MAX_KILL_DELAY_S = 0.35
 SUBPROCESS_TIMEOUT_S = 60
 
@@ -124,8 +125,8 @@ def test_random_sigkill_while_writing_and_publishing(tmp_path: Path) -> None:
                 assert int(steps[-1][1]) not in seqs, (run, steps, seqs)
         assert _publish_example(path, seed=run) == seqs[0] + 1
 
-    # Guards against the test degenerating (e.g. a much faster writer): with ~25% of the time in
-    # publish, missing either phase in 50 kills has a probability below 1e-6.
+    # Guards against the test degenerating (e.g. a much faster writer): about one kill in six lands
+    # in publish, so missing either phase in 50 kills has a probability of about 1e-4.
     assert landed["writing"] and landed["publishing"], f"kills landed only in {dict(landed)}"
     drafts, _ = _leftovers(path)
     assert drafts, "no kill left a draft behind"
@@ -141,7 +142,11 @@ DRAFT = "snapshots/<id>"
 # Each point names the event at which the writer kills itself. Points that leave the same state
 # as a neighbour (e.g. "before create_exclusive" and "after the manifest's close") are left out.
 WRITE_POINTS = [
-    f"after:open_write:{DRAFT}/gym/model/policy0/tokens.arrow",  # row file open, nothing durable
+    # Gym's ledger folder written but for its manifest, whose temporary file is durable, not renamed.
+    f"before:os.replace:{DRAFT}/{example.gym_prefix('responses_api_models', example.MODEL)}/manifest.json",
+    # The agent's folder adopted as a part, the ledger's and the resources server's not yet.
+    f"after:create_exclusive:{DRAFT}/{example.gym_prefix('responses_api_agents', example.AGENT)}/part-manifest.json",
+    f"after:open_write:{DRAFT}/tq/token_capture.arrow",  # row file open, nothing durable
     f"after:close:{DRAFT}/tq/training.arrow",
     f"after:close:{DRAFT}/controller/part-manifest.json",  # every part closed, publish not begun
 ]
@@ -210,6 +215,17 @@ def test_publish_steps_happen_in_crash_safe_order(dry_run: list[str]) -> None:
     positions = [_index(dry_run, p) for p in order]
     assert positions == sorted(positions)
     assert _index(dry_run, f"before:delete:{OLD_COMMIT}") > _index(dry_run, "after:put_bytes:_latest.json")
+
+
+def test_each_gym_folder_is_whole_before_its_manifest_and_adopted_after_it(dry_run: list[str]) -> None:
+    """Gym's writers put ``manifest.json`` last (a folder with a manifest is whole), and the
+    publisher adopts a folder (its part manifest) only after that."""
+    for component, name in [(c.component, c.name) for c in example.CAPABILITIES]:
+        folder = f"{DRAFT}/{example.gym_prefix(component, name)}"
+        written = [e for e in dry_run if e.startswith(f"after:os.replace:{folder}/")]
+        assert written and written[-1] == f"after:os.replace:{folder}/manifest.json", written
+        adopted = dry_run.index(f"after:create_exclusive:{folder}/{layout.PART_MANIFEST_NAME}")
+        assert adopted > dry_run.index(written[-1])
 
 
 def _seq1_id(template: Path) -> str:

@@ -1,7 +1,8 @@
 """The ``dataplane_rows`` feature (format 1.1): a snapshot that holds a file of that kind lists it in
 ``required_features``, exactly then, so that a reader which would skip the unknown kind (and
 restore the data plane without those partitions) refuses the snapshot instead, naming the feature
-and both format versions; a snapshot without such a file stays readable by a 1.0 reader.
+and both format versions; a snapshot without such a file stays readable by a 1.0 reader. Format 1.2
+keeps the feature and adds none (its kind ``gym_file`` needs none).
 
 Pure snapformat: the ``dataplane_rows`` file is written here by hand, as any writer could.
 """
@@ -48,10 +49,11 @@ def as_reader_of(monkeypatch: pytest.MonkeyPatch, format_version: str, known: fr
     monkeypatch.setattr(version, "KNOWN_FEATURES", known)
 
 
-def test_this_version_is_1_1_and_knows_the_feature() -> None:
-    assert FORMAT_VERSION == "1.1" and "dataplane_rows" in version.KNOWN_FEATURES
+def test_this_version_is_1_2_and_knows_the_feature() -> None:
+    assert FORMAT_VERSION == "1.2" and version.KNOWN_FEATURES == frozenset({"dataplane_rows"})
     assert version.features_of_kinds(["training_rows", "dataplane_rows", "dataplane_rows"]) == ["dataplane_rows"]
-    assert version.features_of_kinds(["training_rows", "token_capture_rows", "part_manifest"]) == []
+    assert version.features_of_kinds(["training_rows", "token_capture_rows", "part_manifest", "gym_file"]) == []
+    assert version.features_of_kinds(["gym_file", "dataplane_rows"]) == ["dataplane_rows"]
 
 
 def test_the_feature_is_required_exactly_when_a_dataplane_rows_file_is_there(tmp_path: Path) -> None:
@@ -74,7 +76,8 @@ def test_a_reader_that_does_not_know_the_feature_refuses_naming_both_versions(
         with pytest.raises(VersionError) as err:
             opener()
         message = str(err.value)
-        assert "dataplane_rows" in message and "format version 1.1" in message and "format version 1.0" in message
+        assert "dataplane_rows" in message and f"format version {FORMAT_VERSION}" in message
+        assert "format version 1.0" in message
         assert "manifest.json" in message
 
 
@@ -83,5 +86,5 @@ def test_a_snapshot_without_the_feature_stays_readable_by_a_1_0_reader(
     store = publish(tmp_path, with_dataplane=False)
     as_reader_of(monkeypatch, "1.0", frozenset())
     snap = store.latest()
-    assert snap.manifest.format_version == "1.1" and snap.manifest.required_features == []
+    assert snap.manifest.format_version == FORMAT_VERSION and snap.manifest.required_features == []
     assert snap.read_table("training").num_rows > 0

@@ -11,7 +11,8 @@ For every not-nullable column of both row kinds, proves that:
   nullable, with a matching size and checksum, is refused by ``read_table`` (memory-mapped from
   local disk, with and without the checksum) naming the file, the record batch, the row and the
   column, and reported by ``verify_snapshot`` against that file only; ``token_rows`` (through the
-  token index) refuses it too. A file with nulls only in nullable columns reads.
+  token index of the format 1.0/1.1 layout, which readers keep reading) refuses it too. A file with
+  nulls only in nullable columns reads.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ NOT_NULLABLE = [
     ("training_rows", "attempt_index"), ("training_rows", "input_ids"), ("training_rows", "input_lengths"),
     ("dataplane_rows", "key"), ("dataplane_rows", "partition_id"),
 ]
-FILES = {"token_capture_rows": "gym/model/policy0/tokens.arrow", "training_rows": "tq/training.arrow"}
+FILES = {"token_capture_rows": "tq/token_capture.arrow", "training_rows": "tq/training.arrow"}
+#: The token-capture rows of the 1.0/1.1 layout, which its token index leads into.
+LEGACY_TOKENS = "gym/model/policy0/tokens.arrow"
 #: The not-nullable columns of the kinds the example snapshot writes (data-plane rows: see tests/coordinator).
 IN_EXAMPLE = [(kind, column) for kind, column in NOT_NULLABLE if kind in FILES]
 CHUNK = 4  # rows per record batch of a crafted file: rows 5 and 6 are rows 1 and 2 of batch 1
@@ -164,17 +167,17 @@ def test_readers_refuse_a_published_file_with_nulls(example_store: Path, rewrite
         with pytest.raises(InvalidRecordError, match=f"^{message}"):
             snap.read_table(path, verify=verify)
     problems = verify_snapshot(snap).problems
-    assert problems and {p.file for p in problems} <= {path, "gym/model/policy0/token_index.jsonl"}
+    assert problems and {p.file for p in problems} == {path}
     assert any(p.file == path and re.match(message, p.message) for p in problems), problems
     assert (Path(snap.url) / path).read_bytes() == data  # reading changed nothing
 
 
-def test_token_rows_refuse_a_token_file_with_nulls(example_store: Path, rewrite_manifest) -> None:
-    path = FILES["token_capture_rows"]
-    original = _published_table(example_store, path)
+def test_token_rows_refuse_a_token_file_with_nulls(legacy_example_store: Path, rewrite_manifest) -> None:
+    path = LEGACY_TOKENS
+    original = _published_table(legacy_example_store, path)
     key, call = original.column("capture_key")[0].as_py(), original.column("model_call_id")[0].as_py()
-    plant(example_store, path, with_nulls(original, "prompt_token_ids", NULL_ROWS, True), rewrite_manifest)
-    snap = SnapshotStore(str(example_store)).open(1)
+    plant(legacy_example_store, path, with_nulls(original, "prompt_token_ids", NULL_ROWS, True), rewrite_manifest)
+    snap = SnapshotStore(str(legacy_example_store)).open(1)
     with pytest.raises(InvalidRecordError,
                        match=r"tokens\.arrow: record batch 1: row 1: column 'prompt_token_ids' is null"):
         snap.token_rows(key, call)

@@ -32,7 +32,7 @@ from snapformat.checksum import BackgroundHash, checksum_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
-TOKENS = "gym/model/policy0/tokens.arrow"
+TOKENS = "tq/token_capture.arrow"
 
 
 @given(data=st.binary(max_size=4096), chunk=st.integers(1, 600))

@@ -10,11 +10,15 @@ Proves that:
   the memory-mapped ``open_rows``, with the manifest's batch and row counts;
 - a loader place JSON comes back equal; a part written through ``attach_part`` (another process's
   way) publishes like a local one;
-- ``verify_snapshot`` reports no problem on any of these, and ``token_rows`` finds each indexed call.
+- ``verify_snapshot`` reports no problem on any of these, and ``token_rows`` finds each indexed call;
+- the example snapshot verifies, its Gym parts pass their checks where they lie, and every row of
+  Gym's model ledger holds exactly the data plane's token-capture entry of its call; the example of
+  the 1.0/1.1 layout verifies and its token index finds each call.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,10 @@ from schemas.identity import capture_key
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
 from schemas.token_entry import token_digest
 from snapformat import SnapshotStore, attach_part, verify_snapshot
+from snapformat.adopt import check_part, gym_prefixes
+from snapformat.gym_dir import check_folder, component_of_prefix
 from snapformat.jsonl import ZSTD_THRESHOLD
+from snapformat.token_rows import iter_entries
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -278,8 +285,28 @@ def _lines(records: list[Any]) -> list[bytes]:
     return [msgspec.json.encode(r) + b"\n" for r in records]
 
 
-def test_example_snapshot_round_trips_and_indexes_every_call(example_store: Path) -> None:
+def test_example_snapshot_round_trips_and_its_ledger_holds_the_captured_tokens(example_store: Path) -> None:
     snap = SnapshotStore(str(example_store)).latest()
+    assert snap is not None
+    assert verify_snapshot(snap).ok
+    captured = {(e["rollout_id"], e["model_call_id"]): e for entry in snap.files("token_capture_rows")
+                for e in iter_entries(snap.open_rows(entry), snap.where(entry))}
+    assert len(captured) == snap.read_table("tokens").num_rows > 0
+    folders = {component_of_prefix(prefix): Path(check_part(snap, prefix)) for prefix in gym_prefixes(snap)}
+    assert sorted(folders) == ["agent", "ledger", "resources"]
+    ledger = check_folder(folders["ledger"], component="ledger").manifest
+    rows = 0
+    for key, rollout in ledger.rollouts.items():
+        for name in rollout.files:
+            for line in (folders["ledger"] / name).read_bytes().splitlines():
+                row = json.loads(line)
+                assert row["token"] == captured[(key, row["entry"]["model_call_id"])]
+                rows += 1
+    assert 0 < rows == sum(r.rows for r in ledger.rollouts.values()) <= len(captured)
+
+
+def test_legacy_example_snapshot_round_trips_and_indexes_every_call(legacy_example_store: Path) -> None:
+    snap = SnapshotStore(str(legacy_example_store)).latest()
     assert snap is not None
     assert verify_snapshot(snap).ok
     index = snap.records("token_index")

@@ -32,8 +32,8 @@ _prefixes = itertools.count()
 def _publish(url: str, entries: list[TokenEntry]) -> SnapshotStore:
     store = SnapshotStore(url)
     draft = store.begin()
-    part = draft.part("gym/model/policy0")
-    part.write_rows("tokens.arrow", "token_capture_rows",
+    part = draft.part("tq", writer="tq")  # the data plane's token-capture rows, as the writer puts them
+    part.write_rows("token_capture.arrow", "token_capture_rows",
                     entries_batch([e.model_dump(mode="json") for e in entries]) if entries else [])
     draft.publish(receipts=[part.close()])
     return store
@@ -112,12 +112,12 @@ def test_verify_names_a_row_whose_digest_is_not_gyms(tmp_path: Path) -> None:
     rows[1]["digest"] = "0" * 64
     store = SnapshotStore(str(tmp_path / "s"))
     draft = store.begin()
-    part = draft.part("gym/model/policy0")
-    part.write_rows("tokens.arrow", "token_capture_rows", pa.RecordBatch.from_pylist(rows, schema=TOKEN_CAPTURE_SCHEMA))
+    part = draft.part("tq", writer="tq")
+    part.write_rows("token_capture.arrow", "token_capture_rows", pa.RecordBatch.from_pylist(rows, schema=TOKEN_CAPTURE_SCHEMA))
     draft.publish(receipts=[part.close()])
     report = verify_snapshot(store.latest())
     (problem,) = report.problems
-    assert problem.file == "gym/model/policy0/tokens.arrow"
+    assert problem.file == "tq/token_capture.arrow"
     assert "row 1" in problem.message and "call-1" in problem.message and "Gym's digest" in problem.message
 
 
@@ -140,4 +140,4 @@ def test_a_newer_token_file_is_refused_naming_both_versions(tmp_path: Path) -> N
     newer = TOKEN_CAPTURE_SCHEMA.with_metadata({b"snapformat.kind": b"token_capture_rows",
                                                 b"snapformat.schema_version": b"3"})
     with pytest.raises(VersionError, match=r"'3' is not supported .*versions 1\.\.2"):
-        check_schema("token_capture_rows", newer, "gym/model/policy0/tokens.arrow")
+        check_schema("token_capture_rows", newer, "tq/token_capture.arrow")

@@ -1,9 +1,27 @@
-"""The golden stores must stay readable: ``spec/examples/store-v1`` (what format 1.0 writers
-produced: token-capture files of version 1) and ``spec/examples/store-v1.1`` (the current writer's).
-The writer must keep producing the newest one's exact bytes: an accidental format change fails here."""
+"""The golden stores must stay readable, and the writer must keep producing the newest one's bytes.
+
+``spec/examples/`` holds one store per format version that changed what is written (SPEC §13.1):
+
+- ``store-v1`` (format 1.0: token-capture files of version 1) and ``store-v1.1`` (format 1.1:
+  version 2 token files, ``dataplane_rows``) hold Gym parts of this project's own kinds
+  (``gym/<component>/<name>/``, SPEC §12.3 to §12.7) and the fingerprint of that writer's recipe.
+  They are read and verified unchanged: every part kind, the continuation semantics, the token index.
+- ``store-v1.2`` (format 1.2, the current writer) holds Gym's own files adopted as parts
+  (``gym_file``, SPEC §12.11, CONTROL.md §9), ``gym_commit`` with Gym's component names and each
+  commit reply verbatim, and NeMo-RL's fingerprint. Its Gym folders are checked with gymkit's
+  readers (every digest and reference), resolve against each other and the data plane, come back
+  byte for byte from gymkit's writers and from a download (``materialize_gym``), and ``snapformat
+  verify``, ``show`` and ``cat SNAP continuations`` work on it.
+
+Across versions: a 1.2 restore refuses the older stores by their topology fingerprint, and a 1.1
+restore (its recipe recomputed here) refuses the 1.2 store, which is why ``gym_file`` needs no
+required feature (SPEC §13.1). The generator must reproduce every data file of the newest store
+byte for byte (only part manifests, manifests and commit records carry times and random ids).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import typing
@@ -13,21 +31,48 @@ import msgspec
 import pytest
 
 from schemas import AgentContinuationRoot, capture_key
+from schemas.control import AgentCommitResponse, ModelCommitResponse, ResourcesCommitResponse
+from schemas.errors import TopologyMismatchError
+from schemas.gym_files import agent_instance_dir, ledger_dir, resources_dir
 from schemas.manifest import FileKind
 from schemas.rows import DATAPLANE_SCHEMA, TOKEN_CAPTURE_SCHEMA, TOKEN_CAPTURE_SCHEMA_V1, TRAINING_SCHEMA
-from schemas.version import FORMAT_VERSION
-from snapformat import SnapshotStore, example, open_snapshot, verify_snapshot
+from schemas.version import FORMAT_VERSION, features_of_kinds
+from snapformat import SnapshotStore, example, layout, open_snapshot, verify_snapshot
+from snapformat.adopt import gym_prefixes, materialize_gym
 from snapformat.checksum import checksum_bytes
+from snapformat.cli import main as snapformat_main
+from snapformat.kinds import GYM_FILE_KIND
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "spec" / "examples"
 #: Each golden store, with the format version its manifests carry.
-STORES = {"store-v1": "1.0", "store-v1.1": FORMAT_VERSION}
-NEWEST = "store-v1.1"
+STORES = {"store-v1": "1.0", "store-v1.1": "1.1", "store-v1.2": FORMAT_VERSION}
+NEWEST = "store-v1.2"
+#: Stores whose Gym parts are this project's own kinds (format 1.0 and 1.1 writers).
+LEGACY = {"store-v1", "store-v1.1"}
 GYM_LINE = ('{"schema_version": 1, "rollout_id": "p7_g2", "attempt_index": 0, "capture_key": "p7_g2", '
             '"last_committed_model_call_id": "call-2", "resource_state_revisions": {"tools": 3}}')
 #: Files that carry times or random ids, so they differ between two runs of the generator.
 VOLATILE_KINDS = {"part_manifest"}
+COMMIT_REPLIES = {"responses_api_agents": AgentCommitResponse, "responses_api_models": ModelCommitResponse,
+                  "resources_servers": ResourcesCommitResponse}
+
+#: The participants' contracts of the 1.0 and 1.1 example writer, and that writer's fingerprint
+#: recipe (a JSON array of the contracts sorted by (component, name), sorted keys, compact, UTF-8).
+LEGACY_CONTRACTS = [
+    {"component": "agent", "name": "agent0", "schema_version": 1, "checkpoint_mode": "export_restore"},
+    {"component": "model", "name": "policy0", "schema_version": 1, "checkpoint_mode": "export_restore"},
+    {"component": "resource", "name": "tools", "schema_version": 1, "checkpoint_mode": "export_restore"},
+]
+
+
+def legacy_fingerprint(contracts: list[dict]) -> str:
+    items = sorted(contracts, key=lambda c: (str(c["component"]), str(c["name"])))
+    text = json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+LEGACY_TOPOLOGY = legacy_fingerprint(LEGACY_CONTRACTS)
 
 
 def _generator():
@@ -35,6 +80,11 @@ def _generator():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _open_all(name: str) -> dict:
+    s = SnapshotStore(str(EXAMPLES / name))
+    return {c.sequence: s.open(c.sequence) for c in s.list()}
 
 
 @pytest.fixture(scope="module", params=sorted(STORES))
@@ -54,72 +104,60 @@ def snaps(store):
     return {c.sequence: store.open(c.sequence) for c in store.list()}
 
 
+@pytest.fixture(scope="module")
+def newest():
+    return _open_all(NEWEST)
+
+
+@pytest.fixture(scope="module")
+def legacy_snaps():
+    return {name: _open_all(name) for name in sorted(LEGACY)}
+
+
+# -- every store --------------------------------------------------------------------------------------
 def test_list_and_latest(golden, store, snaps):
     commits = store.list()
     assert [c.sequence for c in commits] == [2, 1]
     latest = store.latest()
     assert latest.sequence == 2 and latest.manifest.snapshot_id == commits[0].snapshot_id
-    assert store.latest_matching(example.TOPOLOGY).sequence == 2
     first, second = snaps[1].manifest, snaps[2].manifest
     assert first.parent is None
     assert second.parent is not None and (second.parent.snapshot_id, second.parent.sequence) == (first.snapshot_id, 1)
+    topology = LEGACY_TOPOLOGY if golden in LEGACY else example.TOPOLOGY
     for m in (first, second):
         assert m.format_version == STORES[golden]
-        assert m.topology_fingerprint == example.TOPOLOGY
+        assert m.topology_fingerprint == topology
+        assert m.required_features == features_of_kinds(f.kind for f in m.files)
     assert first.required_features == []
-    # The newest store's second snapshot holds NeMo-RL staging rows: the format 1.1 feature.
-    assert second.required_features == (["dataplane_rows"] if golden == NEWEST else [])
+    # The second snapshot of 1.1 and 1.2 holds NeMo-RL staging rows: the format 1.1 feature. Gym's
+    # files (1.2) need none.
+    assert second.required_features == ([] if golden == "store-v1" else ["dataplane_rows"])
+    assert store.latest_matching(topology).sequence == 2
     # open by location, as `ls` prints it
     assert open_snapshot(snaps[2].url).manifest == second
 
 
-def test_gym_commit_matches_part_manifests(snaps):
+def test_a_restore_refuses_a_store_of_the_other_fingerprint_recipe(golden, store):
+    """SPEC §13.1: a 1.2 restore refuses a 1.0 or 1.1 snapshot, and a 1.1 restore a 1.2 snapshot,
+    by the topology fingerprint, naming both; the two recipes never give the same value."""
+    assert LEGACY_TOPOLOGY != example.TOPOLOGY
+    saved, running = (LEGACY_TOPOLOGY, example.TOPOLOGY) if golden in LEGACY else (example.TOPOLOGY, LEGACY_TOPOLOGY)
+    with pytest.raises(TopologyMismatchError) as err:
+        store.latest_matching(running)
+    assert saved in str(err.value) and running in str(err.value)
+
+
+def test_gym_commit_matches_part_manifests(golden, snaps):
+    expected = ([(c["component"], c["name"]) for c in LEGACY_CONTRACTS] if golden in LEGACY
+                else [(c.component, c.name) for c in example.CAPABILITIES])
     for snap in snaps.values():
         parts = {f.path: f for f in snap.files("part_manifest")}
         gym = snap.manifest.gym_commit
-        assert [(p.component, p.name) for p in gym.participants] == [(c["component"], c["name"]) for c in example.CONTRACTS]
+        assert gym.checkpoint_id == f"ckpt-{snap.sequence}"
+        assert [(p.component, p.name) for p in gym.participants] == expected
         for p in gym.participants:
             entry = parts[f"{p.part_prefix}/part-manifest.json"]
             assert entry.checksum == p.part_manifest_checksum
-
-
-def test_every_part_kind_reads(golden, snaps):
-    for seq, snap in snaps.items():
-        kinds = {f.kind for f in snap.manifest.files}
-        with_dataplane = golden == NEWEST and seq == 2
-        assert kinds == set(typing.get_args(FileKind)) - (set() if with_dataplane else {"dataplane_rows"}), seq
-        if with_dataplane:
-            staging = snap.read_table("dataplane")
-            assert staging.schema.names[:len(DATAPLANE_SCHEMA)] == DATAPLANE_SCHEMA.names
-            assert {"token_ids_delta", "prev_len", "delta_len", "cum_len", "weight_version"} <= set(staging.schema.names)
-        for entry in snap.files("part_manifest"):
-            assert snap.read_bytes(entry)  # size and checksum checked
-        training = snap.read_table("training")
-        assert training.schema.names[: len(TRAINING_SCHEMA)] == TRAINING_SCHEMA.names
-        assert training.num_rows == sum(f.records for f in snap.files("training_rows")) > 0
-        tokens = snap.read_table("tokens")
-        token_schema = TOKEN_CAPTURE_SCHEMA if golden == NEWEST else TOKEN_CAPTURE_SCHEMA_V1
-        assert tokens.schema.names[: len(token_schema)] == token_schema.names
-        assert tokens.num_rows == sum(f.records for f in snap.files("token_capture_rows")) > 0
-        for kind in ("continuations", "agent_state", "model_ledger", "token_index", "session_state",
-                     "replay_index", "recovery_ledger"):
-            for entry in snap.files(kind):
-                assert len(list(snap.iter_records(entry))) == entry.records > 0, (seq, entry.path)
-        (loader,) = snap.records("loader")
-        assert loader.seed == {1: 7, 2: 8}[seq] and loader.consumed == 3
-        tags = {type(r).__name__ for r in snap.records("recovery_ledger")}
-        assert tags == {"PromptGroup", "RolloutAttempt", "AckOwed"}
-
-
-def test_both_json_lines_encodings(snaps):
-    encodings = {(f.path, f.compression) for s in snaps.values() for f in s.manifest.files if f.kind == "session_state"}
-    assert ("gym/resource/tools/sessions.jsonl", "none") in encodings
-    assert ("bulk/sessions.jsonl.zst", "zstd") in encodings
-    (bulk,) = [f for f in snaps[2].files("session_state") if f.compression == "zstd"]
-    assert bulk.content_size > 256 * 1024 > bulk.size
-    records = list(snaps[2].iter_records(bulk))
-    assert len(records) == bulk.records == 1800
-    assert records[0].session_id == "bulk-00000"
 
 
 def test_verify_ok(snaps):
@@ -127,6 +165,21 @@ def test_verify_ok(snaps):
         report = verify_snapshot(snap)
         assert report.ok, report.problems
         assert report.files_checked == len(snap.manifest.files)
+
+
+def test_both_json_lines_encodings(golden, snaps):
+    legacy = golden in LEGACY
+    kind, plain, compressed = (("session_state", "gym/resource/tools/sessions.jsonl", "bulk/sessions.jsonl.zst")
+                               if legacy else
+                               ("replay_index", "controller/replay_index.jsonl", "bulk/replay_index.jsonl.zst"))
+    encodings = {(f.path, f.compression) for s in snaps.values() for f in s.manifest.files if f.kind == kind}
+    assert (plain, "none") in encodings
+    assert (compressed, "zstd") in encodings
+    (bulk,) = [f for f in snaps[2].files(kind) if f.compression == "zstd"]
+    assert bulk.content_size > 256 * 1024 > bulk.size
+    records = list(snaps[2].iter_records(bulk))
+    assert len(records) == bulk.records == (1800 if legacy else 2400)
+    assert (records[0].session_id if legacy else records[0].key) == ("bulk-00000" if legacy else "bulk-00000/sample")
 
 
 def test_gym_continuation_line_semantics():
@@ -140,33 +193,248 @@ def test_gym_continuation_line_semantics():
     assert capture_key(rec.rollout_id, rec.attempt_index + 1) == "p7_g2-a1"
 
 
-def test_continuations_resolve_in_golden(snaps):
-    for snap in snaps.values():
-        conts = snap.records("continuations")
-        assert conts
-        state = {r.capture_key: r for r in snap.records("agent_state")}
-        ledger = {(r.capture_key, r.model_call_id) for r in snap.records("model_ledger")}
-        sessions = {(s.rollout_id, s.resource): s for s in snap.records("session_state") if s.resource == "tools"}
-        for c in conts:
-            assert capture_key(c.rollout_id, c.attempt_index) == c.capture_key
-            assert state[c.capture_key].status == "parked"
-            assert (c.capture_key, c.last_committed_model_call_id) in ledger
-            rows = snap.token_rows(c.capture_key, c.last_committed_model_call_id)
-            assert rows.num_rows == 1
-            assert rows.column("model_call_id")[0].as_py() == c.last_committed_model_call_id
-            assert sessions[(c.rollout_id, "tools")].state_revision == c.resource_state_revisions["tools"]
+# -- the 1.0 and 1.1 stores, read unchanged ----------------------------------------------------------
+def test_every_part_kind_of_the_older_stores_reads(legacy_snaps):
+    for golden, snaps in legacy_snaps.items():
+        for seq, snap in snaps.items():
+            kinds = {f.kind for f in snap.manifest.files}
+            with_dataplane = golden == "store-v1.1" and seq == 2
+            expected = set(typing.get_args(FileKind)) - (set() if with_dataplane else {"dataplane_rows"})
+            assert kinds == expected, (golden, seq)
+            if with_dataplane:
+                staging = snap.read_table("dataplane")
+                assert staging.schema.names[:len(DATAPLANE_SCHEMA)] == DATAPLANE_SCHEMA.names
+            for entry in snap.files("part_manifest"):
+                assert snap.read_bytes(entry)  # size and checksum checked
+            training = snap.read_table("training")
+            assert training.schema.names[: len(TRAINING_SCHEMA)] == TRAINING_SCHEMA.names
+            assert training.num_rows == sum(f.records for f in snap.files("training_rows")) > 0
+            tokens = snap.read_table("tokens")
+            token_schema = TOKEN_CAPTURE_SCHEMA if golden == "store-v1.1" else TOKEN_CAPTURE_SCHEMA_V1
+            assert tokens.schema.names[: len(token_schema)] == token_schema.names
+            assert tokens.num_rows == sum(f.records for f in snap.files("token_capture_rows")) > 0
+            for kind in ("continuations", "agent_state", "model_ledger", "token_index", "session_state",
+                         "replay_index", "recovery_ledger"):
+                for entry in snap.files(kind):
+                    assert len(list(snap.iter_records(entry))) == entry.records > 0, (golden, seq, entry.path)
+            (loader,) = snap.records("loader")
+            assert loader.seed == {1: 7, 2: 8}[seq] and loader.consumed == 3
+            tags = {type(r).__name__ for r in snap.records("recovery_ledger")}
+            assert tags == {"PromptGroup", "RolloutAttempt", "AckOwed"}
 
 
-def test_regenerated_data_files_are_byte_identical(tmp_path):
+def test_continuations_resolve_in_the_older_stores(legacy_snaps):
+    for snaps in legacy_snaps.values():
+        for snap in snaps.values():
+            conts = snap.records("continuations")
+            assert conts
+            state = {r.capture_key: r for r in snap.records("agent_state")}
+            ledger = {(r.capture_key, r.model_call_id) for r in snap.records("model_ledger")}
+            sessions = {(s.rollout_id, s.resource): s for s in snap.records("session_state") if s.resource == "tools"}
+            for c in conts:
+                assert capture_key(c.rollout_id, c.attempt_index) == c.capture_key
+                assert state[c.capture_key].status == "parked"
+                assert (c.capture_key, c.last_committed_model_call_id) in ledger
+                rows = snap.token_rows(c.capture_key, c.last_committed_model_call_id)
+                assert rows.num_rows == 1
+                assert rows.column("model_call_id")[0].as_py() == c.last_committed_model_call_id
+                assert sessions[(c.rollout_id, "tools")].state_revision == c.resource_state_revisions["tools"]
+
+
+# -- the 1.2 store: Gym's files ----------------------------------------------------------------------
+def _gym_dir(snap) -> Path:
+    path = snap.store.local_path(layout.file_key(snap.manifest.snapshot_id, layout.GYM_PREFIX))
+    assert path is not None
+    return Path(path)
+
+
+def test_every_part_kind_of_the_newest_store_reads(newest):
+    for seq, snap in newest.items():
+        kinds = {f.kind for f in snap.manifest.files}
+        expected = {"training_rows", "token_capture_rows", "loader_place", "replay_index", "recovery_ledger",
+                    "part_manifest", GYM_FILE_KIND} | ({"dataplane_rows"} if seq == 2 else set())
+        assert kinds == expected, seq
+        for entry in snap.files(GYM_FILE_KIND):
+            assert snap.read_bytes(entry)  # size and checksum checked
+        tokens = snap.read_table("tokens")
+        assert tokens.schema.names[: len(TOKEN_CAPTURE_SCHEMA)] == TOKEN_CAPTURE_SCHEMA.names
+        assert tokens.num_rows == sum(f.records for f in snap.files("token_capture_rows")) > 0
+        training = snap.read_table("training")
+        assert training.num_rows == sum(f.records for f in snap.files("training_rows")) > 0
+        (loader,) = snap.records("loader")
+        assert loader.seed == {1: 7, 2: 8}[seq] and loader.consumed == 3
+        assert snap.records("continuations") == []  # no file of this project's own continuation kind
+
+
+def test_gym_parts_are_gyms_layout_and_commit_replies_verbatim(newest):
+    for snap in newest.values():
+        prefixes = [example.gym_prefix(c.component, c.name) for c in example.CAPABILITIES]
+        assert gym_prefixes(snap) == prefixes  # first in the manifest, in commit order
+        assert prefixes[0] == f"gym/{agent_instance_dir(example.AGENT)}"
+        files = {f.path: f for f in snap.manifest.files}
+        for p in snap.manifest.gym_commit.participants:
+            assert p.part_prefix == example.gym_prefix(p.component, p.name)
+            part = [f for f in snap.manifest.files if f.path.startswith(p.part_prefix + "/")]
+            assert {f.kind for f in part} == {GYM_FILE_KIND, "part_manifest"}
+            assert all(f.writer == f"{p.component}:{p.name}" for f in part)
+            reply = msgspec.convert(p.payload, COMMIT_REPLIES[p.component])
+            assert msgspec.to_builtins(reply) == p.payload  # kept verbatim: nothing added or lost
+            manifest = snap.read_bytes(files[f"{p.part_prefix}/manifest.json"])
+            assert reply.manifest_digest == hashlib.sha256(manifest).hexdigest()
+            for ref in (getattr(reply, "continuation_index", None), getattr(reply, "storage_reference_index", None)):
+                if ref is None:
+                    continue
+                data = snap.read_bytes(files[f"gym/{ref.relative_path}"])
+                assert (hashlib.sha256(data).hexdigest(), len(data)) == (ref.sha256, ref.bytes)
+                assert sum(1 for line in data.splitlines() if line.strip()) == ref.records
+
+
+def test_gym_folders_read_back_and_resolve(newest):
+    """Read with gymkit, as a restoring participant does (every digest and reference checked), each
+    continuation root resolves: its parked record, its lineage up to its last call (whose tokens are
+    the data plane's token-capture row of that call), its storage reference and its session."""
+    from gymkit.checkpoint_dir import check_ledger_roots, read_agent_dir, read_ledger_dir, read_resources_dir
+
+    for snap in newest.values():
+        gym = _gym_dir(snap)
+        agent, records, roots = read_agent_dir(gym / agent_instance_dir(example.AGENT))
+        ledger, refs, lineage = read_ledger_dir(gym / ledger_dir(example.MODEL))
+        check_ledger_roots(ledger, roots)
+        _, sessions = read_resources_dir(gym / resources_dir(example.RESOURCE))
+        assert roots and agent.records == len(records) and ledger.continuation_roots == len(roots)
+        assert ledger.excluded_inactive == sum(1 for r in snap.records("replay_index") if r.partition_id == "train")
+        tokens = {(e["rollout_id"], e["model_call_id"]): e["digest"] for e in _token_entries(snap)}
+        by_attempt = {(r.rollout_id, r.attempt_index): r for r in records}
+        referenced = {(ref.capture_key, ref.boundary_model_call_id) for ref in refs}
+        for root in roots:
+            assert capture_key(root.rollout_id, root.attempt_index) == root.capture_key
+            rec = by_attempt[(root.rollout_id, root.attempt_index)]
+            assert rec.last_committed_model_call_id == root.last_committed_model_call_id
+            assert rec.resource_state_revisions == root.resource_state_revisions
+            rows = [json.loads(line) for line in lineage[root.capture_key].read_bytes().splitlines()]
+            assert rows[-1]["entry"]["model_call_id"] == root.last_committed_model_call_id
+            assert [r["entry"]["parent_call_id"] for r in rows] == [None] + [r["entry"]["model_call_id"] for r in rows[:-1]]
+            for row in rows:
+                assert row["token"]["rollout_id"] == root.capture_key  # Gym's TokenEntry holds the capture key
+                assert tokens[(root.capture_key, row["entry"]["model_call_id"])] == row["token"]["digest"]
+            assert (root.capture_key, root.last_committed_model_call_id) in referenced
+            session = sessions[f"{root.rollout_id}.a{root.attempt_index}.json"]
+            assert session.state_revision == root.resource_state_revisions[example.RESOURCE]
+
+
+def _token_entries(snap):
+    from snapformat.token_rows import iter_entries
+
+    for entry in snap.files("token_capture_rows"):
+        yield from iter_entries(snap.open_rows(entry), snap.where(entry))
+
+
+def test_continuation_index_is_gyms_compact_lines(newest):
+    for snap in newest.values():
+        (entry,) = [f for f in snap.files(GYM_FILE_KIND) if f.path.endswith("/continuations.jsonl")]
+        assert entry.path.startswith(f"gym/{agent_instance_dir(example.AGENT)}/")
+        data = snap.read_bytes(entry)
+        lines = data.splitlines()
+        assert data.endswith(b"\n") and len(lines) == entry.records > 0
+        for line in lines:
+            root = msgspec.json.decode(line, type=AgentContinuationRoot)
+            assert msgspec.json.encode(root) == line  # compact, Gym's field order, no spaces
+
+
+def test_gymkit_writes_the_same_bytes(newest, tmp_path):
+    """The example writes Gym's files without gymkit (snapformat lies below it): gymkit's writers,
+    given the records read back, write every file byte for byte the same."""
+    from gymkit import checkpoint_dir as cd
+
+    snap = newest[2]
+    gym = _gym_dir(snap)
+    agent, records, roots = cd.read_agent_dir(gym / agent_instance_dir(example.AGENT))
+    ledger, refs, lineage = cd.read_ledger_dir(gym / ledger_dir(example.MODEL))
+    resources, sessions = cd.read_resources_dir(gym / resources_dir(example.RESOURCE))
+    out = tmp_path / "gym"
+    cd.write_agent_dir(out, agent.checkpoint_id, example.AGENT, records)
+    cd.write_ledger_dir(out, ledger.checkpoint_id, example.MODEL,
+                        lineages={key: path.read_bytes() for key, path in lineage.items()}, storage_references=refs,
+                        roots=roots, excluded_inactive=ledger.excluded_inactive, tombstones=ledger.tombstones,
+                        source_attempts=ledger.source_attempts)
+    cd.write_resources_dir(out, resources.checkpoint_id, example.RESOURCE, sessions.values())
+    golden = {p.relative_to(gym).as_posix(): p.read_bytes() for p in gym.rglob("*")
+              if p.is_file() and p.name != "part-manifest.json"}
+    fresh = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert sorted(fresh) == sorted(golden)
+    for name, data in golden.items():
+        assert fresh[name] == data, name
+
+
+def test_gym_parts_download_byte_for_byte(newest, tmp_path):
+    """A restore from an object store gets the same files: every Gym part downloaded (checked
+    against the part manifests and Gym's manifests) into a local checkpoint_dir."""
+    snap = newest[2]
+    prefixes = materialize_gym(snap, str(tmp_path / "gym"))
+    assert prefixes == gym_prefixes(snap)
+    for entry in snap.files(GYM_FILE_KIND):
+        assert (tmp_path / entry.path).read_bytes() == snap.read_bytes(entry)
+
+
+def test_cli_verify_show_and_cat_continuations(newest, capsys):
+    url = newest[2].url
+    assert snapformat_main(["verify", url]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert snapformat_main(["verify", str(EXAMPLES / NEWEST), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["problems"] == [] and report["files_checked"] == len(newest[2].manifest.files)
+
+    assert snapformat_main(["show", url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [g["prefix"] for g in shown["gym_parts"]] == gym_prefixes(newest[2])
+    assert shown["topology_fingerprint"] == example.TOPOLOGY and shown["format_version"] == FORMAT_VERSION
+    assert snapformat_main(["show", url]) == 0
+    text = capsys.readouterr().out
+    assert "responses_api_agents/agent0" in text and "gym/model-ledger/policy0" in text
+
+    assert snapformat_main(["cat", url, "continuations"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (entry,) = [f for f in newest[2].files(GYM_FILE_KIND) if f.path.endswith("/continuations.jsonl")]
+    assert [line.encode() for line in lines] == newest[2].read_bytes(entry).splitlines()
+    assert snapformat_main(["cat", url, "continuations", "--limit", "2"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines[:2]
+
+
+def test_cli_cat_continuations_of_the_older_stores(legacy_snaps, capsys):
+    for snaps in legacy_snaps.values():
+        snap = snaps[2]
+        assert snapformat_main(["cat", snap.url, "continuations"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [msgspec.json.decode(line, type=AgentContinuationRoot) for line in lines] == snap.records("continuations")
+
+
+# -- the writer ------------------------------------------------------------------------------------------
+def test_the_legacy_writer_is_the_1_1_writer(tmp_path, legacy_snaps):
+    """``write_legacy_example`` (for tests of readers of the older kinds) writes the data files of
+    ``store-v1.1`` byte for byte (its ``bulk/`` and ``nemo-rl/`` parts are the generator's own)."""
+    fresh = SnapshotStore(str(tmp_path / "store"))
+    for seq, golden in sorted(legacy_snaps["store-v1.1"].items()):
+        draft = fresh.begin()
+        gym, receipts = example.write_legacy_example(draft, count=12, seed={1: 7, 2: 8}[seq])
+        new = open_snapshot(draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=LEGACY_TOPOLOGY).url)
+        want = {f.path: (f.kind, f.size, f.checksum, f.records) for f in golden.manifest.files
+                if f.kind not in VOLATILE_KINDS and f.path.split("/")[0] not in ("bulk", "nemo-rl")}
+        got = {f.path: (f.kind, f.size, f.checksum, f.records) for f in new.manifest.files
+               if f.kind not in VOLATILE_KINDS}
+        assert got == want, seq
+        assert [(p.component, p.name, p.part_prefix, p.payload) for p in new.manifest.gym_commit.participants] == \
+            [(p.component, p.name, p.part_prefix, p.payload) for p in golden.manifest.gym_commit.participants]
+
+
+def test_regenerated_data_files_are_byte_identical(tmp_path, newest):
     """Only the newest store: the older ones are what older writers produced."""
-    newest = SnapshotStore(str(EXAMPLES / NEWEST))
-    snaps = {c.sequence: newest.open(c.sequence) for c in newest.list()}
     gen = _generator()
     assert (gen.COUNT, gen.SEEDS) == (12, (7, 8))
+    assert gen.DEFAULT_OUT == EXAMPLES / NEWEST
     gen.write_store(tmp_path / "store")
     fresh = SnapshotStore(str(tmp_path / "store"))
-    assert [c.sequence for c in fresh.list()] == sorted(snaps, reverse=True)
-    for seq, golden in snaps.items():
+    assert [c.sequence for c in fresh.list()] == sorted(newest, reverse=True)
+    for seq, golden in newest.items():
         new = fresh.open(seq)
         want = {f.path: f for f in golden.manifest.files if f.kind not in VOLATILE_KINDS}
         got = {f.path: f for f in new.manifest.files if f.kind not in VOLATILE_KINDS}
@@ -176,4 +444,10 @@ def test_regenerated_data_files_are_byte_identical(tmp_path):
             assert (fresh_entry.checksum, fresh_entry.size, fresh_entry.records) == \
                 (entry.checksum, entry.size, entry.records), f"sequence {seq}: {path} changed"
             assert checksum_bytes(new.read_bytes(fresh_entry)) == entry.checksum
-        assert {f.path for f in new.manifest.files} == {f.path for f in golden.manifest.files}
+        assert [f.path for f in new.manifest.files] == [f.path for f in golden.manifest.files]
+        # Gym's commit result: the same participants, parts and replies (the part manifest
+        # checksums carry the part manifests' times).
+        assert [(p.component, p.name, p.part_prefix, p.payload) for p in new.manifest.gym_commit.participants] == \
+            [(p.component, p.name, p.part_prefix, p.payload) for p in golden.manifest.gym_commit.participants]
+        assert (new.manifest.format_version, new.manifest.required_features, new.manifest.topology_fingerprint) == \
+            (golden.manifest.format_version, golden.manifest.required_features, golden.manifest.topology_fingerprint)

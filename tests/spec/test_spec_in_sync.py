@@ -1,12 +1,16 @@
 """``spec/`` must say what the code does: exported JSON Schemas (with every field's description),
 generated blocks of SPEC.md and CONTROL.md, every file kind and row column named in the spec, every
-control message and route of the checkpoint control protocol (CONTROL.md), section references that
-resolve, and regular expressions that follow the spec's convention."""
+struct, route, phase and error code of Gym's checkpoint control protocol (CONTROL.md) with the
+routes gymkit registers, the reference's route table and file versions, the topology fingerprint
+recomputed from the bytes shown, section references that resolve, and regular expressions that
+follow the spec's convention."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
+import inspect
 import json
 import re
 import subprocess
@@ -18,9 +22,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from schemas.control import Capabilities, ControlError, Phase
+from schemas import control, gym_files
+from schemas.control import COORDINATOR_ONLY_CODES, ERROR_CODES, PHASES, Capabilities, MultiProcess, Phase
+from schemas.gym_files import ArtifactRef
 from schemas.gym_records import AgentContinuationRoot
-from schemas.jsonschema import CONTROL_MESSAGES, RECORDS, render
+from schemas.jsonschema import CONTROL_MESSAGES, FIELD_MEANINGS, FOLDERS, GYM_FILES, RECORDS, render
 from schemas.manifest import FileKind
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
 from schemas.version import FORMAT_VERSION, RESERVED_FEATURES
@@ -41,6 +47,8 @@ def _renderer():
 def test_exported_json_schemas_match_the_structs():
     expected = {f"{name}.schema.json": render(name) for name in RECORDS}
     expected.update({f"control/{name}.schema.json": render(name) for name in CONTROL_MESSAGES})
+    expected.update({f"gym/{name}.schema.json": render(name) for name in GYM_FILES})
+    assert set(FOLDERS) == {".", "control", "gym"}
     present = {p.relative_to(SCHEMAS).as_posix() for p in SCHEMAS.rglob("*.json")}
     assert present == set(expected), "run `make schemas`"
     for file, text in expected.items():
@@ -82,9 +90,11 @@ def test_renderer_check_passes_as_a_script():
 
 
 def test_every_kind_and_column_is_in_the_spec():
+    from snapformat.kinds import GYM_KINDS
+
     text = SPEC.read_text()
-    for kind in typing.get_args(FileKind):
-        assert f"`{kind}`" in text, kind
+    for kind in (*typing.get_args(FileKind), *GYM_KINDS):
+        assert f"| `{kind}` |" in text, kind
     for schema in (TRAINING_SCHEMA, TOKEN_CAPTURE_SCHEMA):
         for name in schema.names:
             assert f"`{name}`" in text, name
@@ -123,63 +133,203 @@ def test_every_command_is_in_the_spec():
         assert f"`snapformat {name}" in text, name
 
 
+#: Every route of the reference's tables (gym-control-protocol.md §4 and §5): a fact, kept here
+#: apart from the renderer's list so that the spec, the renderer and gymkit are all held to it.
+REFERENCE_ROUTES = {
+    ("GET", "/capabilities"),
+    ("POST", "/model-admission/pause"), ("GET", "/model-admission/status"), ("POST", "/model-admission/resume"),
+    ("POST", "/model-admission/abort_inflight"), ("POST", "/model-checkpoint/commit"),
+    ("POST", "/model-checkpoint/restore"),
+    ("POST", "/agent-checkpoint/acknowledge"), ("POST", "/agent-checkpoint/acknowledge-completed"),
+    ("GET", "/agent-checkpoint/completion-receipt"), ("POST", "/agent-checkpoint/prepare"),
+    ("GET", "/agent-checkpoint/status"), ("POST", "/agent-checkpoint/commit"), ("POST", "/agent-checkpoint/restore"),
+    ("POST", "/agent-checkpoint/resume"), ("POST", "/agent-checkpoint/retire"),
+    ("POST", "/agent-checkpoint/discard-restored-continuation"),
+    ("POST", "/resources-checkpoint/prepare"), ("GET", "/resources-checkpoint/status"),
+    ("POST", "/resources-checkpoint/commit"), ("POST", "/resources-checkpoint/restore"),
+    ("POST", "/resources-checkpoint/resume"), ("POST", "/resources-checkpoint/retire"),
+}
+
+#: A declaration for each router's trivial participant (each router checks its component).
+_DECLARATIONS = {
+    "model_router": Capabilities(component="responses_api_models", name="policy_model", instance_role="policy",
+                                 admission_states=["accepting", "draining", "paused"],
+                                 checkpoint_mode="export_restore", multi_process=MultiProcess(mode="single_worker")),
+    "agent_router": Capabilities(component="responses_api_agents", name="simple_agent",
+                                 checkpoint_mode="export_restore", concurrency_contract="serialized_per_session",
+                                 multi_process=MultiProcess(mode="single_worker")),
+    "resources_router": Capabilities(component="resources_servers", name="tools", checkpoint_mode="export_restore",
+                                     concurrency_contract="serialized_per_session",
+                                     multi_process=MultiProcess(mode="single_worker")),
+}
+
+
+def _trivial(abstract: type, declaration: Capabilities) -> type:
+    """A subclass of a participant ABC whose abstract methods do nothing (``declaration`` answers
+    ``declaration``)."""
+
+    def make(name: str) -> Any:
+        if name == "declaration":
+            return lambda self: declaration
+        if inspect.iscoroutinefunction(getattr(abstract, name)):
+            async def method(self: Any, *args: Any, **kw: Any) -> None:
+                return None
+            return method
+        return lambda self, *args, **kw: None
+
+    return type(f"Trivial{abstract.__name__}", (abstract,), {n: make(n) for n in abstract.__abstractmethods__})
+
+
+def _build_router(factory: Any) -> Any:
+    """``factory(...)`` with each required argument built from its annotation: the token a string,
+    an abstract participant a trivial one, anything else constructed the same way (one object per
+    class, so the participant and the router share e.g. the model's admission)."""
+    built: dict[type, Any] = {}
+
+    def resolve(cls: type) -> Any:
+        if cls not in built:
+            target = _trivial(cls, _DECLARATIONS[factory.__name__]) if inspect.isabstract(cls) else cls
+            built[cls] = target(**arguments(target.__init__))
+        return built[cls]
+
+    def arguments(fn: Any) -> dict[str, Any]:
+        if fn is object.__init__:
+            return {}
+        hints = typing.get_type_hints(fn)
+        return {p.name: "token" if p.name == "token" else resolve(hints[p.name])
+                for p in inspect.signature(fn).parameters.values()
+                if p.name != "self" and p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+    return factory(**arguments(factory))
+
+
 def _control_routes() -> set[tuple[str, str]]:
-    """(method, full path) of every route gymkit's router registers, for a participant that does nothing."""
-    from gymkit import ControlPlane, Participant
+    """(method, full path) of every route gymkit's three routers register (``model_router``,
+    ``agent_router``, ``resources_router``), each built around a participant that does nothing."""
+    from gymkit.agent_control import agent_router
+    from gymkit.model_control import model_router
+    from gymkit.resources_control import resources_router
 
-    class Trivial(Participant):
-        def capabilities(self) -> Capabilities:
-            return Capabilities(component="agent", name="trivial", checkpoint_mode="stateless")
+    async def collect() -> set[tuple[str, str]]:  # some kit objects want a running event loop
+        routes = set()
+        for factory in (model_router, agent_router, resources_router):
+            for route in _build_router(factory).routes:
+                for method in route.methods - {"HEAD"}:
+                    routes.add((method, route.path))
+        return routes
 
-        async def prepare(self, deadline: float) -> None:
-            return None
-
-        async def commit(self, part: Any, context: dict[str, Any]) -> dict[str, Any]:
-            return {}
-
-        async def restore(self, snapshot: Any, prefix: str) -> dict[str, Any]:
-            return {}
-
-        async def resume(self) -> None:
-            return None
-
-    routes = set()
-    for route in ControlPlane(Trivial(), "token").router().routes:
-        for method in route.methods - {"HEAD"}:
-            routes.add((method, route.path))
-    return routes
+    return asyncio.run(collect())
 
 
-def test_every_control_message_and_route_is_in_the_spec():
+def _module_structs(module: Any) -> list[str]:
+    return [name for name, obj in vars(module).items()
+            if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__]
+
+
+def test_every_control_struct_phase_and_code_is_in_the_spec():
     section = CONTROL.read_text()
-    for name in CONTROL_MESSAGES:
-        assert f"<!-- BEGIN GENERATED message:{name} -->" in section, f"control message {name} has no table in CONTROL.md"
-    routes = _control_routes()
-    assert len(routes) >= 12
-    for method, path in routes:
-        assert path.startswith("/ng-control/v1/"), path
-        assert f"`{method} {path}`" in section, f"route {method} {path} is not in CONTROL.md"
-    for phase in typing.get_args(Phase):
+    for name in (*_module_structs(control), *_module_structs(gym_files)):
+        assert f"<!-- BEGIN GENERATED message:{name} -->" in section, f"struct {name} has no table in CONTROL.md"
+    assert set(CONTROL_MESSAGES) | set(GYM_FILES) <= set(_module_structs(control)) | set(_module_structs(gym_files))
+    assert PHASES == typing.get_args(Phase)
+    for phase in PHASES:
         assert f"| `{phase}` |" in section, phase
-    for code in typing.get_args(typing.get_type_hints(ControlError)["error"]):
+    for code in {c for codes in ERROR_CODES.values() for c in codes} | set(COORDINATOR_ONLY_CODES):
         assert f"| `{code}` |" in section, code
+    for name in dir(control):
+        if name.startswith(("HEADER_", "FEATURE_")):
+            assert f"`{getattr(control, name)}`" in section, name
 
 
-def test_control_topology_vector_is_sha256_of_the_canonical_contracts_shown():
-    """Recomputed without ``schemas.topology``: the bytes shown, hashed, give the fingerprint shown."""
+def test_field_meanings_name_only_real_fields():
+    """``FIELD_MEANINGS`` (the meanings of fields without a ``msgspec.Meta`` description) has no entry
+    for a struct or a field that does not exist, and none that a description already gives."""
+    structs = {name: getattr(control, name, None) or getattr(gym_files, name) for name in FIELD_MEANINGS}
+    for name, meanings in FIELD_MEANINGS.items():
+        fields = {f.name: f for f in msgspec.inspect.type_info(structs[name]).fields}
+        for field in meanings:
+            assert field in fields, f"FIELD_MEANINGS[{name!r}] names no field {field!r}"
+            t = fields[field].type
+            assert not (isinstance(t, msgspec.inspect.Metadata) and (t.extra_json_schema or {}).get("description")), (
+                f"{name}.{field} has a description of its own; drop its FIELD_MEANINGS entry")
+
+
+def test_documented_routes_are_the_reference_routes():
+    documented = _renderer().documented_routes()
+    assert documented == {(m, "/ng-control/v1" + p) for m, p in REFERENCE_ROUTES}
+    section = CONTROL.read_text()
+    for method, path in documented:
+        assert f"`{method} {path}`" in section, f"route {method} {path} is not in CONTROL.md"
+
+
+def test_gymkit_registers_exactly_the_documented_routes():
+    routes = _control_routes()
+    documented = _renderer().documented_routes()
+    assert routes == documented, (f"registered, not documented: {sorted(routes - documented)}; "
+                                  f"documented, not registered: {sorted(documented - routes)}")
+
+
+def test_control_names_its_sources():
+    """CONTROL.md §0 names the Gym and NeMo-RL file versions it follows, and says the design note's
+    pin was not found."""
+    text = CONTROL.read_text()
+    sources = text[text.index("## 0. Sources"):text.index("## 1. ")]
+    for commit in ("9380654ea748e53f5c3f0bed9b59ade920d7d86a", "62aca7a25f12b8ed229b9e0c81020e4e551546ae",
+                   "a6bb6c51f35175f6bdc89b965d933787b621dd94", "020d836ea6d7e3f3f0e31b4c39ef29d1ddcb67dd",
+                   "0830f082e23c47576289637b5e93f9bd582b3d98", "02309db6924527009828abab6d22a9aa779c1693",
+                   "e8b8ccbb6c75a0a8cebc94ca235f98b34aa4eba6", "d595189f9f056b8d09fb0b8aa926881d80ab2164",
+                   "498dcedbef954fc52935a4f68762b50e4d16212b"):
+        assert f"`{commit}`" in sources, commit
+    assert "`f4fcf8c`" in sources and "not found" in sources
+
+
+def test_continuation_reference_example_binds_the_line_shown():
+    """CONTROL §6.3: the artifact reference's sha256, bytes and records are those of the
+    continuation line shown plus its newline (recomputed here, not by the renderer)."""
+    text = CONTROL.read_text()
+    part = text[text.index("### 6.3 "):text.index("### 6.4 ")]
+    blocks = re.findall(r"```json\n(.*?)\n```", part, re.DOTALL)
+    ref = msgspec.json.decode(blocks[0], type=ArtifactRef)
+    line = next(b for b in blocks[1:] if b.startswith('{"schema_version":1,"rollout_id"'))
+    data = (line + "\n").encode()
+    assert (ref.sha256, ref.bytes, ref.records) == (hashlib.sha256(data).hexdigest(), len(data), 1)
+    root = msgspec.json.decode(line, type=AgentContinuationRoot)
+    assert msgspec.json.encode(root) == line.encode()  # compact, declaration order: Gym's bytes
+    assert ref.relative_path == f"{gym_files.agent_instance_dir('simple_agent')}/continuations.jsonl"
+    assert ref.relative_path.startswith(
+        "agent/instance-" + hashlib.sha256(b"simple_agent").hexdigest() + "/")
+
+
+def test_control_topology_vector_is_nemo_rl_recipe_over_the_contracts_shown():
+    """Recomputed without ``schemas.topology``: the contracts shown, put through the recipe of CONTROL
+    §5.3 (sort, drop features, wrap, canonical JSON, SHA-256), give the bytes and the hex shown; the
+    manifest spelling is ``sha256:`` + that hex; each contract is what ``Capabilities.contract()``
+    builds."""
     text = CONTROL.read_text()
     block = text[text.index("<!-- BEGIN GENERATED control:topology -->"):text.index("<!-- END GENERATED control:topology -->")]
-    shown = re.search(r"`(sha256:[0-9a-f]{64})`", block).group(1)
-    canonical = re.search(r"```json\n(.*?)\n```", block, re.DOTALL).group(1)
-    assert shown == "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-    contracts = json.loads(canonical)
-    assert [(c["component"], c["name"]) for c in contracts] == sorted((c["component"], c["name"]) for c in contracts)
-    assert canonical == json.dumps(contracts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    for c in contracts:  # exactly what Capabilities.contract() covers
-        assert set(c) == {"component", "name", "schema_version", "checkpoint_mode", "concurrency", "restart_only_resources"}
-        caps = Capabilities(component=c["component"], name=c["name"], checkpoint_mode=c["checkpoint_mode"],
-                            restart_only_resources=c["restart_only_resources"])
-        assert caps.contract() == c
+    bare = re.search(r"\| `([0-9a-f]{64})` \|", block).group(1)
+    assert f"`sha256:{bare}`" in block
+    contracts_text, document_text = re.findall(r"```json\n(.*?)\n```", block, re.DOTALL)
+    contracts = json.loads(contracts_text)
+    ordered = sorted(contracts, key=lambda c: (c["participant"]["component"], c["participant"]["server_name"],
+                                               c["participant"]["participant_name"]))
+    document = {"schema_version": 1, "participants": [{k: v for k, v in c.items() if k != "features"}
+                                                       for c in ordered]}
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    assert canonical == document_text
+    assert hashlib.sha256(canonical.encode("utf-8")).hexdigest() == bare
+    assert {c["participant"]["component"] for c in contracts} == {
+        "responses_api_models", "responses_api_agents", "resources_servers"}
+    for c in contracts:
+        caps = Capabilities(component=c["participant"]["component"], name=c["participant"]["participant_name"],
+                            schema_version=c["schema_version"], admission_states=c["admission_states"],
+                            checkpoint_mode=c["checkpoint_mode"], concurrency_contract=c["concurrency_contract"],
+                            multi_process=MultiProcess(**c["multi_process"]), instance_role=c["instance_role"],
+                            features=c["features"])
+        assert caps.contract(c["participant"]["server_name"]) == c
+    spec = SPEC.read_text()
+    assert f"`sha256:{bare}`" in spec and document_text in spec  # SPEC §6's vector is the same
 
 
 def _sections(text: str) -> set[str]:
@@ -204,15 +354,13 @@ def test_section_references_resolve():
     spec, control = SPEC.read_text(), CONTROL.read_text()
     numbers = {"SPEC": _sections(spec), "CONTROL": _sections(control)}
     assert {"15.4", "15.4.1", "15.4.2", "20", "21", "22"} <= numbers["SPEC"]
-    assert {str(n) for n in range(1, 10)} <= numbers["CONTROL"]
+    assert {str(n) for n in range(12)} <= numbers["CONTROL"]
     texts = {"SPEC.md": (spec, "SPEC"), "CONTROL.md": (control, "CONTROL")}
     for path in _code_files():
         texts[str(path.relative_to(ROOT))] = (path.read_text(), "SPEC")
     for where, (text, own) in texts.items():
         for m in _REF.finditer(text):
             doc = (m.group(1) or own).strip().removesuffix(".md")
-            if where == "SPEC.md" and m.group(2).startswith("20."):  # the §20 stub says where they went
-                continue
             assert m.group(2) in numbers[doc], f"{where}: {m.group(0)!r} names no section of {doc}.md"
 
 
@@ -238,3 +386,16 @@ def test_every_regex_in_the_spec_follows_the_convention():
                 found.append(span)
                 assert span in suffixes or (span.startswith("^") and span.endswith("$")), span
     assert len(set(found)) >= 5, found
+
+
+def test_completion_receipt_example_follows_the_digest_rule():
+    """CONTROL §7: the example receipt's digest and identity, recomputed from the result it names."""
+    text = CONTROL.read_text()
+    block = text[text.index("<!-- BEGIN GENERATED message:CompletionReceipt -->"):
+                 text.index("<!-- END GENERATED message:CompletionReceipt -->")]
+    receipt = json.loads(re.search(r"```json\n(.*?)\n```", block, re.DOTALL).group(1))
+    result = {"id": "resp_0f3a", "reward": 1.0}
+    assert json.dumps(result) in text[text.index("## 7. "):text.index("## 8. ")].replace("`", "")
+    digest = hashlib.sha256(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+                            .encode("utf-8")).hexdigest()
+    assert receipt["result_digest"] == digest and receipt["result_identity"] == str(result["id"])

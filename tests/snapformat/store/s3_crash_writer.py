@@ -12,7 +12,7 @@ Commands (``endpoint`` is the S3 server's URL; the key and secret come from the 
     Forks a writer and answers ``{"pid": PID}`` at once. ``loop`` begins, writes and publishes
     snapshots (``keep_latest=2``) over and over until it is killed, logging ``writing N``,
     ``publishing N`` and ``published N``. ``step`` writes and publishes one snapshot and exits 0,
-    logging the same lines and then ``done``. Each snapshot holds the model server's
+    logging the same lines and then ``done``. Each snapshot holds the data plane's
     token-capture rows (~8 MB: with ``part_size=5 MiB`` a multipart upload of 2 parts sent in
     parallel) and the controller's loader place and replay index (small single PUTs).
     ``SPEC = {"method", "n", "phase", "key"}``: the child SIGKILLs itself ``before`` or ``after``
@@ -52,7 +52,7 @@ from snapformat.store import s3
 PART_SIZE = 5 << 20  # the S3 minimum part size: the token part really goes up in parts
 BULK_ROLLOUTS = 500  # one token batch of ~0.9 MB...
 BULK_REPEATS = 9  # ...written 9 times: ~8.3 MB, 2 parts
-TOKENS_PATH = f"gym/model/{example.MODEL}/tokens.arrow"  # the multipart upload, in its snapshot
+TOKENS_PATH = "tq/token_capture.arrow"  # the multipart upload, in its snapshot
 LOOP_LIMIT = 1000  # bounded: the test kills the loop long before
 
 
@@ -72,15 +72,15 @@ def open_store(url: str, endpoint: str) -> s3.S3Store:
 
 
 def write_snapshot(store: SnapshotStore, seed: int, log: _Log | None = None):
-    """Begin a draft and write its parts: the model server's token-capture rows (~8 MB, a
+    """Begin a draft and write its parts: the data plane's token-capture rows (~8 MB, a
     multipart upload of 2 parts) and the controller's loader place and replay index."""
     draft = store.begin()
     if log is not None:
         log.say(f"writing {draft.sequence} {draft.snapshot_id}")
     rollouts = example.rollouts(BULK_ROLLOUTS, seed)
     batch, _ = next(example.token_batches(rollouts, seed))
-    model = draft.part(TOKENS_PATH.rpartition("/")[0], writer=f"model:{example.MODEL}")
-    with model.rows(TOKENS_PATH.rpartition("/")[2], "token_capture_rows") as w:
+    tq = draft.part(TOKENS_PATH.rpartition("/")[0], writer="tq")
+    with tq.rows(TOKENS_PATH.rpartition("/")[2], "token_capture_rows") as w:
         for _ in range(BULK_REPEATS):
             w.write(batch)
     ctl = draft.part("controller", writer="controller")
@@ -88,7 +88,7 @@ def write_snapshot(store: SnapshotStore, seed: int, log: _Log | None = None):
     ctl.write_records("replay_index", "replay_index", [
         ReplayIndexEntry(key=f"{r.key}/sample", partition_id="train", rollout_id=r.rollout_id,
                          attempt_index=r.attempt, group_id=r.group_id, status="ready") for r in rollouts[:20]])
-    return draft, [model.close(), ctl.close()]
+    return draft, [tq.close(), ctl.close()]
 
 
 def _instrument(log: _Log, kill: dict[str, Any] | None) -> None:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from schemas.gym_files import agent_instance_dir
+from schemas.gym_records import AgentContinuationRoot
 from snapformat import CommitConflictError, SnapshotStore, Store, verify_snapshot
+from snapformat.adopt import materialize_gym
 from snapformat.discovery import latest_sequence
-from snapformat.example import TOPOLOGY, write_example
+from snapformat.example import AGENT, TOPOLOGY, write_example
+from snapformat.gym_dir import check_folder, read_ref_rows
 from snapformat.store import LocalStore
 from snapformat.store.s3 import S3Store
 
@@ -109,7 +114,7 @@ class StoreConformance:
         # so the contract is about objects (walk), which is all the protocol relies on.
         assert list(store.walk("d")) == [] and store.exists("e")
 
-    def test_snapshot_lifecycle(self, store: Store) -> None:
+    def test_snapshot_lifecycle(self, store: Store, tmp_path: Path) -> None:
         snaps = SnapshotStore(store)
         for seed in range(3):
             draft = snaps.begin()
@@ -119,7 +124,10 @@ class StoreConformance:
         latest = snaps.latest()
         assert latest is not None and latest.sequence == 3
         assert verify_snapshot(latest).ok
-        assert latest.records("continuations")[0].schema_version == 1
+        materialize_gym(latest, str(tmp_path))  # Gym's files back as a checkpoint_dir, every digest checked
+        agent = check_folder(tmp_path / agent_instance_dir(AGENT), component="agent").manifest
+        roots = read_ref_rows(tmp_path, agent.continuation_index, AgentContinuationRoot)
+        assert roots and roots[0].schema_version == 1
         assert latest.read_table("tokens").num_rows == latest.files("token_capture_rows")[0].records
         orphan = snaps.begin()
         write_example(orphan, count=5, seed=9)

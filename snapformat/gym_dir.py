@@ -1,0 +1,694 @@
+"""Gym's own files in ``checkpoint_dir`` (CONTROL.md §6), checked against their bytes.
+
+A Gym participant writes plain files into a folder of ``checkpoint_dir`` and binds them in its
+``manifest.json`` by SHA-256 (schemas/gym_files.py has the structs). Before such a folder becomes a
+part of a snapshot (``snapformat.adopt``), and after it is brought back from a store, every
+promise of that manifest is checked against the bytes:
+
+* **agent** (``agent/instance-<sha256(name)>/``): both artifact references (``record_index``,
+  ``continuation_index``: ``sha256``, ``bytes``, non-blank ``records``), every archive's
+  ``sha256``, ``bytes`` and ``members``, ``records`` against the index, and each
+  ``agent-index.jsonl`` row against its archive member (``<rid>.a<n>.json``, ``sha256``,
+  ``bytes``); no member without a row.
+* **ledger** (``model-ledger/<server_name>/``): the ``storage_reference_index`` reference, and each
+  rollout's ``files`` (name -> sha256) with its ``rows`` (non-blank lines) and ``bytes``.
+* **resources** (``resources/<server_name>/``): every ``files`` entry (name -> sha256).
+
+Artifact references name paths relative to ``checkpoint_dir``; a folder's own references must lie
+inside the folder that its manifest names (``agent_instance_dir(instance_name)``,
+``ledger_dir(server_name)``, ``resources_dir(server_name)``), so a folder can be checked wherever it
+lies (a staging folder, a draft). Nothing here imports gymkit: ``gymkit.checkpoint_dir`` writes
+these files and reuses these checks to read them.
+
+The bytes themselves are built here too, once (:func:`jsonl_bytes`, :func:`document_bytes`,
+:func:`tar_bytes`, :func:`manifest_bytes`, :func:`continuation_roots`, written with
+:func:`atomic_write`): gymkit's writers and the example store's writer (``snapformat.example``,
+which may not import gymkit) both use them, so the same records give the same bytes whoever writes
+them.
+
+Errors are typed: a byte, size or count that differs is a :class:`CorruptSnapshotError`, a
+manifest or row that breaks its struct an :class:`InvalidRecordError`, a path that would leave the
+folder an :class:`InvalidPathError`; each names the file, the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import uuid
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
+from schemas.gym_files import (
+    AGENT_DIR,
+    LEDGER_DIR,
+    MANIFEST_NAME,
+    RESOURCES_DIR,
+    AgentBoundaryRecord,
+    AgentIndexEntry,
+    AgentManifest,
+    ArtifactRef,
+    LedgerManifest,
+    ResourcesManifest,
+    agent_instance_dir,
+    attempt_member,
+    ledger_dir,
+    resources_dir,
+)
+from schemas.gym_records import AgentContinuationRoot
+from schemas.identity import capture_key, check_name, check_relative_path
+from snapformat.checksum import new_hasher
+from snapformat.layout import GYM_PREFIX
+
+GymComponent = Literal["agent", "ledger", "resources"]
+GymManifest = AgentManifest | LedgerManifest | ResourcesManifest
+MANIFEST_TYPES: dict[str, Any] = {"agent": AgentManifest, "ledger": LedgerManifest, "resources": ResourcesManifest}
+#: The first segment of each component's folder under ``checkpoint_dir``.
+COMPONENT_DIRS: dict[str, str] = {"agent": AGENT_DIR, "ledger": LEDGER_DIR, "resources": RESOURCES_DIR}
+#: Temporary files of an atomic write (temp -> fsync -> rename) start so; a crash may leave one
+#: behind. They are never part of a folder's files.
+TEMP_PREFIX = ".tmp-"
+MAX_MANIFEST_BYTES = 64 << 20
+_CHUNK = 8 << 20
+_UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FileFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What one pass over a file's bytes found."""
+
+    size: int
+    sha256: str
+    #: The store's checksum (``xxh128:<hex>``), for the part manifest.
+    checksum: str
+    #: Non-blank lines (what an artifact reference's ``records`` counts); None for a ``.tar``.
+    lines: int | None
+    #: Members of a ``.tar`` archive; None for other files.
+    members: int | None
+    #: A part manifest's ``records`` for the file (:func:`count_records`).
+    records: int
+
+
+def count_records(name: str, lines: int | None, members: int | None) -> int:
+    """``records`` of a ``gym_file`` entry named ``name``: members of a ``.tar``, non-blank lines of
+    a ``.jsonl``, else 1 (a JSON document)."""
+    if name.endswith(".tar"):
+        return members or 0
+    if name.endswith(".jsonl"):
+        return lines or 0
+    return 1
+
+
+def scan_file(path: Path) -> FileFacts:
+    """Size, SHA-256, the store's checksum, non-blank lines (every file but a ``.tar``) and
+    archive members (``.tar``) of ``path``, in one read (plus the tar headers for an archive)."""
+    sha, xxh = hashlib.sha256(), new_hasher()
+    size, lines = 0, 0
+    archive = path.name.endswith(".tar")
+    try:
+        with open(path, "rb") as fh:
+            if archive:
+                while chunk := fh.read(_CHUNK):
+                    sha.update(chunk)
+                    xxh.update(chunk)
+                    size += len(chunk)
+            else:
+                for line in fh:  # binary iteration splits after each b"\n", as Gym's readers do
+                    sha.update(line)
+                    xxh.update(line)
+                    size += len(line)
+                    if line.strip():
+                        lines += 1
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{path}: missing") from None
+    except OSError as exc:
+        raise CorruptSnapshotError(f"{path}: cannot read: {exc}") from None
+    members = len(tar_members(path)) if archive else None
+    return FileFacts(size=size, sha256=sha.hexdigest(), checksum=f"xxh128:{xxh.hexdigest()}",
+                     lines=None if archive else lines, members=members,
+                     records=count_records(path.name, None if archive else lines, members))
+
+
+def list_folder(folder: Path, skip: Iterable[str] = ()) -> list[str]:
+    """Every regular file under ``folder``, as sorted ``/``-separated names relative to it.
+
+    Temporary files of an interrupted atomic write (:data:`TEMP_PREFIX`) and the names in ``skip``
+    (relative names) are left out; every other name must be a safe relative path (SPEC §5) and a
+    regular file, else :class:`InvalidPathError`.
+    """
+    skipped = set(skip)
+    names = []
+    if not folder.is_dir():
+        raise InvalidPathError(f"{folder}: not a folder")
+    for dirpath, dirs, files in os.walk(folder, followlinks=False):
+        base = Path(dirpath)
+        for d in dirs:
+            if (base / d).is_symlink():
+                raise InvalidPathError(f"{base / d}: a symbolic link (expected plain files and folders)")
+        for name in files:
+            p = base / name
+            rel = p.relative_to(folder).as_posix()
+            if name.startswith(TEMP_PREFIX) or rel in skipped:
+                continue
+            if p.is_symlink() or not p.is_file():
+                raise InvalidPathError(f"{p}: not a regular file (expected plain files)")
+            check_relative_path(rel, where=f"{folder}: file name")
+            names.append(rel)
+    return sorted(names)
+
+
+def scan_folder(folder: Path, skip: Iterable[str] = ()) -> dict[str, FileFacts]:
+    """:func:`scan_file` of every file :func:`list_folder` lists, by relative name."""
+    return {name: scan_file(folder / name) for name in list_folder(folder, skip)}
+
+
+def tar_members(path: Path) -> list[tarfile.TarInfo]:
+    """The members of an uncompressed tar archive; each a regular file with a safe name, once."""
+    try:
+        with tarfile.open(path, mode="r:") as tf:
+            members = tf.getmembers()
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise CorruptSnapshotError(f"{path}: not a readable tar archive ({exc})") from None
+    seen: set[str] = set()
+    for m in members:
+        if not m.isreg():
+            raise CorruptSnapshotError(f"{path}: member {m.name!r} is not a regular file (expected only record files)")
+        check_name(m.name, where=f"{path}: member name")
+        if m.name in seen:
+            raise CorruptSnapshotError(f"{path}: member {m.name!r} appears twice")
+        seen.add(m.name)
+    return members
+
+
+def read_tar_members(path: Path) -> dict[str, bytes]:
+    """Every member's bytes, by name (names checked as :func:`tar_members` does)."""
+    out: dict[str, bytes] = {}
+    try:
+        with tarfile.open(path, mode="r:") as tf:
+            for m in tf.getmembers():
+                if not m.isreg():
+                    raise CorruptSnapshotError(f"{path}: member {m.name!r} is not a regular file")
+                check_name(m.name, where=f"{path}: member name")
+                if m.name in out:
+                    raise CorruptSnapshotError(f"{path}: member {m.name!r} appears twice")
+                fh = tf.extractfile(m)
+                out[m.name] = fh.read() if fh is not None else b""
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise CorruptSnapshotError(f"{path}: not a readable tar archive ({exc})") from None
+    return out
+
+
+# -- durable plain files --------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; the ones created, outermost first."""
+    missing = []
+    p = folder
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    created = []
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+            created.append(d)
+        except FileExistsError:
+            pass
+    return created
+
+
+def atomic_write_chunks(path: str | os.PathLike[str], chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` to ``path`` so that a reader sees the old file or the new one, never a mix:
+    a temporary file in the same folder (``.tmp-*``), written, fsynced, renamed over ``path``, then
+    the folder fsynced (and each folder it had to create, in its parent). A crash leaves at most
+    the temporary file, which readers and the publisher ignore. An exception from ``chunks``
+    removes the temporary file and leaves ``path`` as it was."""
+    path = Path(path)
+    folder = path.parent
+    tmp = folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+    try:
+        created = _makedirs(folder)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(folder)
+        for d in created:
+            _fsync_dir(d.parent)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise StoreError(f"{path}: cannot write: {exc}") from exc
+        raise
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """:func:`atomic_write_chunks` of one piece: temp -> write -> fsync -> rename -> folder fsync."""
+    atomic_write_chunks(path, (data,))
+
+
+# -- Gym's serialization: the one builder of each kind of bytes --------------------------------------------
+# gymkit's writers (``gymkit.checkpoint_dir``) and the example store's writer (``snapformat.example``)
+# both build Gym's bytes here, so a file of the same records is the same bytes whoever writes it.
+_encoder = msgspec.json.Encoder()
+#: ``indent`` of each component's ``manifest.json`` (keys always sorted).
+MANIFEST_INDENT: dict[str, int] = {"agent": 2, "ledger": 1, "resources": 2}
+
+
+def jsonl_bytes(rows: Iterable[Any]) -> bytes:
+    """Gym's JSON lines: each row as compact JSON (fields in declaration order, no spaces), then ``\\n``."""
+    return b"".join(_encoder.encode(row) + b"\n" for row in rows)
+
+
+def document_bytes(value: Any, *, sort_keys: bool, indent: int) -> bytes:
+    """A Gym JSON document: ``json.dumps`` of the value with Gym's ``sort_keys`` and ``indent``, no final
+    newline. Manifests sort their keys (:func:`manifest_bytes`); a record file (an archive member, a
+    resources session) keeps declaration order with indent 2."""
+    return json.dumps(msgspec.to_builtins(value), sort_keys=sort_keys, indent=indent).encode()
+
+
+def tar_bytes(members: Iterable[tuple[str, bytes]]) -> bytes:
+    """An uncompressed tar of ``(name, bytes)`` members whose headers are fixed (mode 0o600, mtime 0,
+    uid and gid 0, empty user and group names; a long name in a PAX header), so the same members
+    give the same bytes."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o600, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.type = tarfile.REGTYPE
+            tf.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def manifest_bytes(manifest: GymManifest) -> tuple[bytes, str]:
+    """A Gym manifest's bytes (sorted keys, its component's :data:`MANIFEST_INDENT`) and its
+    ``manifest_digest`` (their SHA-256 hex)."""
+    for component, manifest_type in MANIFEST_TYPES.items():
+        if isinstance(manifest, manifest_type):
+            data = document_bytes(manifest, sort_keys=True, indent=MANIFEST_INDENT[component])
+            return data, sha256_hex(data)
+    raise InvalidRecordError(f"{type(manifest).__name__} is not a Gym manifest")
+
+
+def write_manifest(folder: str | os.PathLike[str], manifest: GymManifest) -> str:
+    """Write ``folder/manifest.json`` (last, atomically) and return its ``manifest_digest``."""
+    data, digest = manifest_bytes(manifest)
+    atomic_write(Path(folder) / MANIFEST_NAME, data)
+    return digest
+
+
+def write_jsonl(checkpoint_dir: str | os.PathLike[str], relative_path: str, rows: Iterable[Any]) -> ArtifactRef:
+    """Write ``rows`` (:func:`jsonl_bytes`) to ``checkpoint_dir/relative_path`` (:func:`atomic_write`)
+    and return the reference that binds them: SHA-256 over every byte, ``bytes``, ``records`` (rows)."""
+    rows = list(rows)
+    data = jsonl_bytes(rows)
+    try:
+        ref = ArtifactRef(relative_path=relative_path, sha256=sha256_hex(data), records=len(rows), bytes=len(data))
+    except ValueError as exc:
+        raise InvalidPathError(str(exc)) from None
+    atomic_write(Path(checkpoint_dir) / relative_path, data)
+    return ref
+
+
+def continuation_roots(records: Iterable[AgentBoundaryRecord]) -> list[AgentContinuationRoot]:
+    """Gym's continuation index of a set of boundary records: one root per record with a last
+    committed model call (its exact capture key and its resource revisions, maybe ``{}``), sorted
+    by (capture_key, last_committed_model_call_id)."""
+    roots = [AgentContinuationRoot(rollout_id=r.rollout_id, attempt_index=r.attempt_index,
+                                   capture_key=capture_key(r.rollout_id, r.attempt_index),
+                                   last_committed_model_call_id=r.last_committed_model_call_id,
+                                   resource_state_revisions=dict(r.resource_state_revisions))
+             for r in records if r.last_committed_model_call_id]
+    return sorted(roots, key=lambda r: (r.capture_key, r.last_committed_model_call_id))
+
+
+def continuation_roots_sha256(roots: Iterable[AgentContinuationRoot]) -> str:
+    """The ledger's ``continuation_roots_sha256``: SHA-256 hex of the JSON list of the roots sorted
+    by (capture_key, last_committed_model_call_id), keys sorted, separators ``(",", ":")``."""
+    ordered = sorted(roots, key=lambda r: (r.capture_key, r.last_committed_model_call_id))
+    text = json.dumps([msgspec.to_builtins(r) for r in ordered], sort_keys=True, separators=(",", ":"))
+    return sha256_hex(text.encode())
+
+
+# -- where a folder belongs -------------------------------------------------------------------------------
+def component_of_prefix(prefix: str) -> GymComponent | None:
+    """The component a part prefix of Gym's layout names: ``gym/agent`` and ``gym/agent/<x>`` an
+    agent, ``gym/model-ledger/<name>`` a model ledger, ``gym/resources/<name>`` a resources server;
+    None for any other prefix."""
+    parts = prefix.split("/")
+    if len(parts) < 2 or parts[0] != GYM_PREFIX:
+        return None
+    if parts[1] == AGENT_DIR and len(parts) in (2, 3):
+        return "agent"
+    if parts[1] == LEDGER_DIR and len(parts) == 3:
+        return "ledger"
+    if parts[1] == RESOURCES_DIR and len(parts) == 3:
+        return "resources"
+    return None
+
+
+def component_of_fields(document: Any) -> GymComponent | None:
+    """The component whose manifest has these fields (an agent's ``archives``, a ledger's
+    ``rollouts``, a resources server's ``files``), or None."""
+    if not isinstance(document, dict):
+        return None
+    if "archives" in document or "instance_name" in document:
+        return "agent"
+    if "rollouts" in document:
+        return "ledger"
+    if "files" in document and "server_name" in document:
+        return "resources"
+    return None
+
+
+def folder_of(component: str, manifest: GymManifest) -> str:
+    """The folder, relative to ``checkpoint_dir``, where the manifest's participant writes."""
+    if component == "agent":
+        return agent_instance_dir(manifest.instance_name)  # type: ignore[union-attr]
+    if component == "ledger":
+        return ledger_dir(manifest.server_name)  # type: ignore[union-attr]
+    return resources_dir(manifest.server_name)  # type: ignore[union-attr]
+
+
+@cache
+def _decoder(record_type: Any) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(record_type)
+
+
+def decode_strict(data: bytes, record_type: Any, where: str) -> Any:
+    """One JSON document or line as ``record_type`` (unknown fields refused), typed errors."""
+    try:
+        return _decoder(record_type).decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidRecordError(f"{where}: {exc} (expected a {getattr(record_type, '__name__', record_type)})") from None
+    except _UNDECODABLE as exc:
+        raise CorruptSnapshotError(f"{where}: not valid JSON: {exc}") from None
+
+
+def load_manifest(folder: Path, component: str | None = None) -> tuple[GymComponent, GymManifest, bytes]:
+    """``folder/manifest.json``: its component (given, or recognised by its fields), the decoded
+    manifest (unknown fields refused) and its exact bytes (``manifest_digest`` is their SHA-256)."""
+    path = folder / MANIFEST_NAME
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{path}: missing (every Gym participant folder ends with its manifest.json)") from None
+    except OSError as exc:
+        raise CorruptSnapshotError(f"{path}: cannot read: {exc}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptSnapshotError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes (expected a manifest)")
+    if component is None:
+        component = component_of_fields(decode_strict(data, Any, str(path)))
+        if component is None:
+            raise InvalidRecordError(f"{path}: not a Gym manifest (expected the fields of an agent, ledger or "
+                                     "resources manifest: archives, rollouts or files)")
+    if component not in MANIFEST_TYPES:
+        raise InvalidRecordError(f"{path}: unknown Gym component {component!r} (expected agent, ledger or resources)")
+    manifest = decode_strict(data, MANIFEST_TYPES[component], str(path))
+    return component, manifest, data  # type: ignore[return-value]
+
+
+# -- the checks ---------------------------------------------------------------------------------------------
+def ref_name(ref: ArtifactRef, base: str, where: str) -> str:
+    """The name, inside the folder ``base`` (relative to ``checkpoint_dir``), of the file ``ref``
+    names; a reference to a file outside that folder is refused."""
+    rel = ref.relative_path
+    if not base:
+        return check_relative_path(rel, where=f"{where}.relative_path")
+    if not rel.startswith(base + "/"):
+        raise InvalidPathError(f"{where}.relative_path: {rel!r} lies outside the participant's folder "
+                               f"(expected {base}/<name>)")
+    return check_relative_path(rel[len(base) + 1:], where=f"{where}.relative_path")
+
+
+def check_ref(ref: ArtifactRef, name: str, facts: dict[str, FileFacts], folder: Path, where: str) -> None:
+    """The file ``name`` exists with the reference's ``bytes``, ``sha256`` and ``records``."""
+    path = folder / name
+    got = facts.get(name)
+    if got is None:
+        raise CorruptSnapshotError(f"{path}: missing, but {where} names it ({ref.relative_path})")
+    if got.size != ref.bytes:
+        raise CorruptSnapshotError(f"{path}: bytes is {got.size}, {where}.bytes expects {ref.bytes}")
+    if got.sha256 != ref.sha256:
+        raise CorruptSnapshotError(f"{path}: sha256 is {got.sha256}, {where}.sha256 expects {ref.sha256}")
+    if got.lines != ref.records:
+        what = "it is not a JSON-lines file" if got.lines is None else f"it has {got.lines} non-blank lines"
+        raise CorruptSnapshotError(f"{path}: {what}, {where}.records expects {ref.records}")
+
+
+def _check_digest(name: str, expected: str, facts: dict[str, FileFacts], folder: Path, where: str,
+                  field: str = "") -> FileFacts:
+    """``name`` exists and has the SHA-256 ``expected`` that ``where`` (+ ``field``) promises."""
+    check_relative_path(name, where=f"{where} name")
+    got = facts.get(name)
+    if got is None:
+        raise CorruptSnapshotError(f"{folder / name}: missing, but {where} lists it")
+    if got.sha256 != expected:
+        raise CorruptSnapshotError(f"{folder / name}: sha256 is {got.sha256}, {where}{field} expects {expected}")
+    return got
+
+
+class GymFolder(msgspec.Struct, frozen=True, kw_only=True):
+    """A participant folder whose manifest held against its bytes."""
+
+    component: str
+    #: The folder relative to ``checkpoint_dir``, as the manifest names it.
+    base: str
+    manifest: Any
+    #: ``manifest_digest``: SHA-256 hex of the exact bytes of ``manifest.json``.
+    manifest_digest: str
+    #: Rows of ``agent-index.jsonl`` (agents only).
+    index: list[AgentIndexEntry] = []
+
+
+def check_folder(folder: Path, *, component: str | None = None, base: str | None = None,
+                 facts: dict[str, FileFacts] | None = None) -> GymFolder:
+    """Check every promise of ``folder/manifest.json`` against the bytes of the folder's files.
+
+    ``component`` (else recognised by the manifest's fields) and ``base``, the folder's place
+    under ``checkpoint_dir`` when it is known (a part prefix ``gym/<base>``): it must equal the
+    folder the manifest names. ``facts`` are :func:`scan_folder`'s, when already computed.
+    """
+    folder = Path(folder)
+    component, manifest, data = load_manifest(folder, component)
+    where = str(folder / MANIFEST_NAME)
+    named = folder_of(component, manifest)
+    if base is not None and base != named:
+        raise InvalidPathError(f"{where}: the manifest belongs in {named!r} of checkpoint_dir, but the folder is "
+                               f"adopted as {base!r}")
+    if facts is None:
+        facts = scan_folder(folder)
+    index: list[AgentIndexEntry] = []
+    if component == "agent":
+        index = _check_agent(folder, named, manifest, facts, where)  # type: ignore[arg-type]
+    elif component == "ledger":
+        _check_ledger(folder, named, manifest, facts, where)  # type: ignore[arg-type]
+    else:
+        for name, digest in sorted(manifest.files.items()):  # type: ignore[union-attr]
+            _check_digest(name, digest, facts, folder, f"{where}: files[{name!r}]")
+    return GymFolder(component=component, base=named, manifest=manifest, manifest_digest=sha256_hex(data),
+                     index=index)
+
+
+def _check_agent(folder: Path, base: str, manifest: AgentManifest, facts: dict[str, FileFacts],
+                 where: str) -> list[AgentIndexEntry]:
+    index_name = ref_name(manifest.record_index, base, f"{where}: record_index")
+    check_ref(manifest.record_index, index_name, facts, folder, f"{where}: record_index")
+    cont_name = ref_name(manifest.continuation_index, base, f"{where}: continuation_index")
+    check_ref(manifest.continuation_index, cont_name, facts, folder, f"{where}: continuation_index")
+    if manifest.records != manifest.record_index.records:
+        raise CorruptSnapshotError(f"{where}: records is {manifest.records}, expected record_index.records "
+                                   f"{manifest.record_index.records}")
+    archives = {}
+    for i, archive in enumerate(manifest.archives):
+        at = f"{where}: archives[{i}]"
+        check_name(archive.name, where=f"{at}.name")
+        if archive.name in archives:
+            raise CorruptSnapshotError(f"{at}.name: {archive.name!r} is listed twice")
+        got = _check_digest(archive.name, archive.sha256, facts, folder, at, ".sha256")
+        if got.size != archive.bytes:
+            raise CorruptSnapshotError(f"{folder / archive.name}: bytes is {got.size}, {at}.bytes expects {archive.bytes}")
+        if got.members != archive.members:
+            raise CorruptSnapshotError(f"{folder / archive.name}: has {got.members} members, {at}.members expects "
+                                       f"{archive.members}")
+        archives[archive.name] = archive
+    total = sum(a.members for a in manifest.archives)
+    if total != manifest.records:
+        raise CorruptSnapshotError(f"{where}: the archives hold {total} members, records expects {manifest.records}")
+    index = read_rows(folder / index_name, AgentIndexEntry)
+    by_archive: dict[str, dict[str, AgentIndexEntry]] = {name: {} for name in archives}
+    seen: set[tuple[str, int]] = set()
+    index_where = str(folder / index_name)
+    for n, row in enumerate(index, 1):
+        at = f"{index_where}: row {n}"
+        if (row.rollout_id, row.attempt_index) in seen:
+            raise CorruptSnapshotError(f"{at}: ({row.rollout_id!r}, {row.attempt_index}) is indexed twice")
+        seen.add((row.rollout_id, row.attempt_index))
+        expected = attempt_member(row.rollout_id, row.attempt_index)
+        if row.member != expected:
+            raise CorruptSnapshotError(f"{at}: member is {row.member!r}, expected {expected!r}")
+        if row.archive not in by_archive:
+            raise CorruptSnapshotError(f"{at}: archive {row.archive!r} is not among the manifest's archives "
+                                       f"({', '.join(sorted(archives)) or 'none'})")
+        by_archive[row.archive][row.member] = row
+    for name, rows in by_archive.items():
+        members = read_tar_members(folder / name)
+        for member, row in rows.items():
+            data = members.get(member)
+            at = f"{folder / name}: member {member!r}"
+            if data is None:
+                raise CorruptSnapshotError(f"{at}: missing, but {index_where} indexes it")
+            if len(data) != row.bytes:
+                raise CorruptSnapshotError(f"{at}: bytes is {len(data)}, {index_where} expects {row.bytes}")
+            if sha256_hex(data) != row.sha256:
+                raise CorruptSnapshotError(f"{at}: sha256 is {sha256_hex(data)}, {index_where} expects {row.sha256}")
+        extra = sorted(set(members) - set(rows))
+        if extra:
+            raise CorruptSnapshotError(f"{folder / name}: members {extra} have no row in {index_where}")
+    return index
+
+
+def _check_ledger(folder: Path, base: str, manifest: LedgerManifest, facts: dict[str, FileFacts], where: str) -> None:
+    refs_name = ref_name(manifest.storage_reference_index, base, f"{where}: storage_reference_index")
+    check_ref(manifest.storage_reference_index, refs_name, facts, folder, f"{where}: storage_reference_index")
+    for key, rollout in sorted(manifest.rollouts.items()):
+        at = f"{where}: rollouts[{key!r}]"
+        rows, size = 0, 0
+        for name, digest in sorted(rollout.files.items()):
+            got = _check_digest(name, digest, facts, folder, f"{at}.files[{name!r}]")
+            rows += got.lines or 0
+            size += got.size
+        if size != rollout.bytes:
+            raise CorruptSnapshotError(f"{at}.bytes: its files hold {size} bytes, expected {rollout.bytes}")
+        if rows != rollout.rows:
+            raise CorruptSnapshotError(f"{at}.rows: its files hold {rows} non-blank lines, expected {rollout.rows}")
+
+
+# -- JSON lines -----------------------------------------------------------------------------------------------
+def resolve_ref(checkpoint_dir: Path, ref: ArtifactRef) -> Path:
+    """The file ``ref`` names under ``checkpoint_dir``; an absolute path, ``..``, or a link that
+    leads outside ``checkpoint_dir`` is refused (:class:`InvalidPathError`)."""
+    rel = ref.relative_path
+    parts = rel.split("/")
+    if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        raise InvalidPathError(f"artifact reference relative_path {rel!r}: expected a relative path without "
+                               "'.', '..' or empty segments")
+    root = Path(checkpoint_dir).resolve()
+    path = (root / rel).resolve()
+    if root not in path.parents:
+        raise InvalidPathError(f"{root / rel}: leads outside checkpoint_dir {root} (relative_path {rel!r})")
+    return root / rel
+
+
+def read_ref_rows(checkpoint_dir: Path, ref: ArtifactRef, row_type: Any) -> list[Any]:
+    """The rows of the JSON-lines file ``ref`` names, checked as Gym's readers check them.
+
+    Raw lines are hashed (every byte, newlines included); blank lines are skipped; ``bytes``,
+    ``sha256`` and ``records`` (non-blank lines) must all match before any row is trusted; each
+    row is decoded strictly as ``row_type`` (unknown fields refused).
+    """
+    path = resolve_ref(checkpoint_dir, ref)
+    where = f"{path} (artifact reference {ref.relative_path})"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{where}: missing") from None
+    if size != ref.bytes:  # before reading a byte of a file of the wrong size
+        raise CorruptSnapshotError(f"{where}: bytes is {size}, the reference expects {ref.bytes}")
+    return _read_rows(path, row_type, where, ref)
+
+
+def read_rows(path: Path, row_type: Any, where: str | None = None) -> list[Any]:
+    """Every non-blank line of ``path`` decoded strictly as ``row_type``."""
+    return _read_rows(path, row_type, where or str(path), None)
+
+
+def _read_rows(path: Path, row_type: Any, where: str, ref: ArtifactRef | None) -> list[Any]:
+    sha = hashlib.sha256()
+    size, records = 0, 0
+    rows: list[Any] = []
+    failure: Exception | None = None
+    try:
+        with open(path, "rb") as fh:
+            for n, line in enumerate(fh, 1):
+                sha.update(line)
+                size += len(line)
+                if not line.strip():
+                    continue
+                records += 1
+                if failure is None:
+                    try:
+                        rows.append(decode_strict(line, row_type, f"{where}: line {n}"))
+                    except (InvalidRecordError, CorruptSnapshotError) as exc:
+                        failure = exc  # reported after the digest: bytes first, then meaning
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{where}: missing") from None
+    except OSError as exc:
+        raise CorruptSnapshotError(f"{where}: cannot read: {exc}") from None
+    if ref is not None:
+        if size != ref.bytes:
+            raise CorruptSnapshotError(f"{where}: bytes is {size}, the reference expects {ref.bytes}")
+        if sha.hexdigest() != ref.sha256:
+            raise CorruptSnapshotError(f"{where}: sha256 is {sha.hexdigest()}, the reference expects {ref.sha256}")
+        if records != ref.records:
+            raise CorruptSnapshotError(f"{where}: has {records} non-blank lines, the reference's records expects "
+                                       f"{ref.records}")
+    if failure is not None:
+        raise failure
+    return rows
+
+
+# -- what a snapshot's Gym parts hold ---------------------------------------------------------------------
+def gym_part_summary(prefix: str, files: Iterable[Any]) -> dict[str, Any]:
+    """What ``show`` prints of a Gym part: its component, files, bytes and record counts by role
+    (from the part's file entries: ``records`` of each ``gym_file``)."""
+    entries = [f for f in files if f.path.startswith(prefix + "/") and f.kind != "part_manifest"]
+    component = component_of_prefix(prefix) or "other"
+    counts: dict[str, int] = {}
+    for f in entries:
+        name = f.path[len(prefix) + 1:]
+        if component == "agent" and name.endswith(".tar"):
+            counts["records"] = counts.get("records", 0) + f.records
+            counts["archives"] = counts.get("archives", 0) + 1
+        elif component == "agent" and name.endswith("continuations.jsonl"):
+            counts["continuations"] = counts.get("continuations", 0) + f.records
+        elif component == "ledger" and name.endswith(".lineage.jsonl"):
+            counts["rollouts"] = counts.get("rollouts", 0) + 1
+            counts["lineage_rows"] = counts.get("lineage_rows", 0) + f.records
+        elif component == "ledger" and name.endswith("storage-references.jsonl"):
+            counts["storage_references"] = counts.get("storage_references", 0) + f.records
+        elif component == "resources" and name.endswith(".json") and name != MANIFEST_NAME:
+            counts["sessions"] = counts.get("sessions", 0) + 1
+    return {"prefix": prefix, "component": component, "files": len(entries),
+            "bytes": sum(f.size for f in entries), "records": counts}
