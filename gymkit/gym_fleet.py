@@ -64,7 +64,7 @@ from schemas.control import (
     CompletionReceipt,
     ModelRestoreResponse,
 )
-from schemas.gym_files import MANIFEST_NAME, ArtifactRef, agent_instance_dir, ledger_dir, resources_dir
+from schemas.gym_files import MANIFEST_NAME, ArtifactRef, participant_dir
 from schemas.topology import topology_fingerprint
 
 T = TypeVar("T")
@@ -80,13 +80,6 @@ ALREADY_ENDED = ("invalid_phase", "stale_checkpoint")
 #: The fleet's own refusals (``status`` None): a topology NeMo-RL refuses, a participant not
 #: ready by the deadline.
 FLEET_CODES = ("topology", "not_ready")
-
-
-def participant_dir(component: str, name: str) -> str:
-    """The folder of ``checkpoint_dir`` a participant writes (CONTROL.md §6)."""
-    if component == AGENTS:
-        return agent_instance_dir(name)
-    return ledger_dir(name) if component == MODELS else resources_dir(name)
 
 
 # -- results ----------------------------------------------------------------------------------------

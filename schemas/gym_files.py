@@ -63,6 +63,19 @@ def resources_dir(server_name: str) -> str:
     return f"{RESOURCES_DIR}/{server_name}"
 
 
+#: Gym's component names -> the folder of ``checkpoint_dir`` each participant writes.
+_PARTICIPANT_DIRS = {"responses_api_agents": agent_instance_dir, "responses_api_models": ledger_dir,
+                     "resources_servers": resources_dir}
+
+
+def participant_dir(component: str, name: str) -> str:
+    """The folder of ``checkpoint_dir`` a participant of ``component`` named ``name`` writes (CONTROL.md §6)."""
+    try:
+        return _PARTICIPANT_DIRS[component](name)
+    except KeyError:
+        raise ValueError(f"component {component!r} is not one of {sorted(_PARTICIPANT_DIRS)}") from None
+
+
 def agent_archive_name(index: int) -> str:
     return f"agent-part-{index:06d}.tar"
 

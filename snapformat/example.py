@@ -74,6 +74,7 @@ from schemas.gym_files import (
     agent_instance_dir,
     attempt_member,
     ledger_dir,
+    participant_dir,
     resources_dir,
 )
 from schemas.gym_records import (
@@ -128,19 +129,11 @@ CONTRACTS: list[dict[str, Any]] = [c.contract() for c in CAPABILITIES]
 #: The example topology's fingerprint as a manifest keeps it: ``sha256:`` + NeMo-RL's hex (SPEC §6).
 TOPOLOGY = manifest_fingerprint(topology_fingerprint(CONTRACTS))
 
-#: Each Gym server's folder of ``checkpoint_dir`` (Gym's layout), by component.
-_FOLDERS = {"responses_api_agents": agent_instance_dir, "responses_api_models": ledger_dir,
-            "resources_servers": resources_dir}
-
-
-def gym_folder(component: str, name: str) -> str:
-    """The folder of ``checkpoint_dir`` a Gym server of ``component`` named ``name`` writes."""
-    return _FOLDERS[component](name)
 
 
 def gym_prefix(component: str, name: str) -> str:
     """Its part prefix in a snapshot: ``gym/<its folder>`` (SPEC §3)."""
-    return f"{layout.GYM_PREFIX}/{gym_folder(component, name)}"
+    return f"{layout.GYM_PREFIX}/{participant_dir(component, name)}"
 
 
 class Rollout:
@@ -390,7 +383,7 @@ def _adopt_gym(draft: SnapshotDraft, checkpoint_dir: Path, checkpoint_id: str, r
     commits = write_gym_files(checkpoint_dir, checkpoint_id, rs, tokens)
     participants, receipts = [], []
     for component, name, reply in commits:
-        receipt = adopt_part(draft.url, str(checkpoint_dir / gym_folder(component, name)), gym_prefix(component, name),
+        receipt = adopt_part(draft.url, str(checkpoint_dir / participant_dir(component, name)), gym_prefix(component, name),
                              writer=f"{component}:{name}")
         draft.add_part(receipt)  # first in the manifest, in commit order
         receipts.append(receipt)

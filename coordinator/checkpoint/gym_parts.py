@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from schemas.gym_files import agent_instance_dir, ledger_dir, resources_dir
+from schemas.gym_files import participant_dir
 from schemas.manifest import GymCommit, ParticipantCommit, PartReceipt
 from snapformat import layout
 from snapformat.adopt import adopt_part, check_part, materialize_part
@@ -47,22 +47,9 @@ log = logging.getLogger("coordinator.checkpoint.gym_parts")
 GYM_FOLDER = "gym"
 STAGING_MAX_AGE_S = 24 * 3600
 
-#: Gym's component names -> the folder of ``checkpoint_dir`` each participant writes.
-_FOLDERS = {
-    "responses_api_agents": agent_instance_dir,
-    "responses_api_models": ledger_dir,
-    "resources_servers": resources_dir,
-}
-
-
-def participant_folder(component: str, name: str) -> str:
-    """The folder of ``checkpoint_dir`` a participant writes (Gym's layout)."""
-    return _FOLDERS[component](name)
-
-
 def part_prefix(component: str, name: str) -> str:
     """The part prefix of a participant's files inside the snapshot: ``gym/<its folder>``."""
-    return f"{GYM_FOLDER}/{participant_folder(component, name)}"
+    return f"{GYM_FOLDER}/{participant_dir(component, name)}"
 
 
 @dataclass(frozen=True)
@@ -114,7 +101,7 @@ def adopt(draft: SnapshotDraft, checkpoint_dir: CheckpointDir,
     A participant that wrote no folder (stateless) has no part."""
     receipts = []
     for component, name in participants:
-        folder = Path(checkpoint_dir.path) / participant_folder(component, name)
+        folder = Path(checkpoint_dir.path) / participant_dir(component, name)
         if not folder.is_dir():
             continue
         receipts.append(adopt_part(draft.url, str(folder), part_prefix(component, name), writer=f"{component}:{name}"))

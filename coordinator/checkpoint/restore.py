@@ -45,6 +45,7 @@ from coordinator.workload import Workload
 from gymkit.checkpoint_dir import read_agent_dir
 from gymkit.gym_fleet import Topology
 from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishedError, StoreError
+from schemas.gym_files import participant_dir
 from schemas.manifest import GymCommit
 from schemas.topology import manifest_fingerprint
 from snapformat.reader import Snapshot
@@ -203,7 +204,7 @@ def _continuations(checkpoint_dir: str, commit: GymCommit, topology: Topology) -
     for p in commit.participants:
         if p.component != "responses_api_agents" or p.part_prefix is None:
             continue
-        _, records, roots = read_agent_dir(Path(checkpoint_dir) / gym_parts.participant_folder(p.component, p.name))
+        _, records, roots = read_agent_dir(Path(checkpoint_dir) / participant_dir(p.component, p.name))
         revisions = {(r.rollout_id, r.attempt_index): r.resource_state_revisions for r in roots}
         for rec in records:
             key = (rec.rollout_id, rec.attempt_index)

@@ -32,6 +32,7 @@ import msgspec
 import pytest
 
 from coordinator.checkpoint import gym_parts
+from schemas.gym_files import participant_dir
 from schemas.manifest import GymCommit, ParticipantCommit, PartReceipt
 from snapformat import SnapshotStore
 from snapformat.verify import verify_snapshot
@@ -92,7 +93,7 @@ def test_a_gym_host_adopts_its_own_files_and_another_host_restores_them(seaweed,
     # "on B": each participant folder becomes its part of A's draft; only the receipt comes back
     receipts: dict[tuple[str, str], PartReceipt] = {}
     for p in saved.commit.participants:
-        folder = gym_parts.participant_folder(p.component, p.name)
+        folder = participant_dir(p.component, p.name)
         out = on_host(host_b, ["-m", "snapformat", "adopt", str(b_dir / folder), draft.url, f"gym/{folder}",
                                "--writer", f"{p.component}:{p.name}", "--json"], seaweed.env_vars())
         receipts[(p.component, p.name)] = msgspec.json.decode(out, type=PartReceipt)
