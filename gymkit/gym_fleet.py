@@ -249,6 +249,10 @@ class GymFleet:
         self.servers: list[Server] = []  # the discovered participants, sorted by (component, server name)
         self.topology: Topology | None = None
         self.control_timeout_s = control_timeout_s
+        # Participants a failed prepare could not resume (its call timed out, or it was still
+        # preparing when resumed): server name -> that checkpoint id. A server may finish such a
+        # prepare later and hold the id active; the next prepare resumes it first.
+        self._dangling: dict[str, str] = {}
 
     @classmethod
     def connect(cls, servers: Mapping[str, str] | Sequence[str], token: str, http: httpx.AsyncClient, *,
@@ -375,6 +379,7 @@ class GymFleet:
         attempted: list[Server] = []
         replies: dict[str, ParticipantReply] = {}
         attempts: dict[str, int] = {}
+        await self._release_dangling(deadline_ts)
         try:
             attempted += models
             await self._step(models, replies, lambda s: s.client.model.pause(checkpoint_id, deadline_ts))
@@ -389,7 +394,9 @@ class GymFleet:
                              add_seconds=True)
         except BaseException as exc:
             resume_deadline = max(deadline_ts, time.time() + self.control_timeout_s)
-            _, failures = await self._resume(attempted, checkpoint_id, resume_deadline, tolerate=ALREADY_ENDED)
+            resumed, failures = await self._resume(attempted, checkpoint_id, resume_deadline, tolerate=ALREADY_ENDED)
+            done = {r.server_name for r in resumed}
+            self._dangling.update({s.server_name: checkpoint_id for s in attempted if s.server_name not in done})
             if failures and isinstance(exc, ControlCallError):
                 raise _with_note(exc, f"; resuming the participants called also failed: {'; '.join(failures)}") \
                     from exc
@@ -516,6 +523,27 @@ class GymFleet:
 
     def _pausing_all(self) -> list[Server]:
         return [s for c in PREPARE_ORDER for s in self.pausing(c)]
+
+    async def _release_dangling(self, deadline_ts: float) -> None:
+        """Resume, under its own id, every participant a failed prepare left behind (it may have
+        finished preparing since, and would refuse every new id with ``checkpoint_conflict``). It is
+        released once it answers, or once that id is no longer the one it holds active."""
+        for name, old_id in list(self._dangling.items()):
+            server = next((s for s in self.servers if s.server_name == name), None)
+            if server is None:
+                del self._dangling[name]
+                continue
+            resumed, _ = await self._resume([server], old_id, max(deadline_ts, time.time() + 1.0), tolerate=(),
+                                            keep_errors=True)
+            if resumed:
+                del self._dangling[name]
+                continue
+            try:
+                caps = await server.client.capabilities()
+            except ControlCallError:
+                continue  # unreachable: still listed
+            if caps.active_checkpoint_id != old_id:
+                del self._dangling[name]
 
     async def _resume(self, servers: Sequence[Server], checkpoint_id: str, deadline_ts: float,
                       tolerate: tuple[str, ...], keep_errors: bool = False) -> tuple[list[ParticipantReply], list[Any]]:

@@ -143,9 +143,10 @@ def test_a_prepare_that_hangs_past_the_deadline_is_aborted(fleet, tmp_path: Path
     for i in failed[1:]:  # the saves tried while the server still prepared the first one, or was still closed
         error = outcome.saves[i].error
         assert "checkpoint_conflict" in error or "agent_prepare_incomplete" in error, error
-    # The run may end while the hung server still prepares the aborted checkpoint (its export hangs
-    # hang_s): once it has given up, a save succeeds again.
-    wait_until(lambda: job.gym.resource.capabilities().active_checkpoint_id is None, "the hung prepare to end",
+    # The run may end while the hung server still prepares the aborted checkpoint. Once that prepare
+    # has ended (failed, or prepared late and holding the old id: the next prepare resumes it first,
+    # gymkit.gym_fleet's dangling participants), a save succeeds again.
+    wait_until(lambda: job.gym.resource.capabilities().phase != "preparing", "the hung prepare to end",
                timeout=hang_s + 30)
     later = job.call("save_now", True)
     assert later.published, later.error

@@ -417,3 +417,25 @@ def test_an_agent_blocked_only_by_unacknowledged_results_fails_the_prepare_at_on
         assert len(gyms["agent0"].calls("agent-checkpoint/prepare")) == 1
 
     run(gyms, scenario)
+
+
+def test_a_participant_a_failed_prepare_left_behind_is_resumed_before_the_next_prepare() -> None:
+    """``agent1`` is still preparing ``c1`` when the failed prepare resumes it (409 ``invalid_phase``),
+    then finishes preparing and holds ``c1``: the next prepare first resumes ``c1`` on it, and only on it
+    (``tools`` was never called)."""
+    gyms = servers()
+    log = gyms["policy"].log
+    gyms["agent0"].queue("agent-checkpoint/prepare", refusal("agent_checkpoint_error"))
+    gyms["agent1"].queue("agent-checkpoint/resume", refusal("invalid_phase"))
+
+    async def scenario(fleet: GymFleet) -> None:
+        with pytest.raises(ControlCallError):
+            await fleet.prepare("c1", time.time() + 30)
+        start = len(log)
+        await fleet.prepare("c2", time.time() + 30)
+        released = [(s.server, json.loads(s.body)["checkpoint_id"]) for s in log[start:] if s.route.endswith("/resume")]
+        assert released == [("agent1", "c1")], released
+        first_new = next(i for i, s in enumerate(log[start:]) if s.route == "model-admission/pause")
+        assert all(s.route.endswith("/resume") or s.route == "capabilities" for s in log[start:start + first_new])
+
+    run(gyms, scenario)
