@@ -27,6 +27,8 @@ test: venv
 	$(BIN)/python -m pytest -q
 
 soak: venv
+	OBJECTS_CRASH_WALK=400 OBJECTS_RACE_ROUNDS=100 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/snapformat/test_objects_crash.py tests/snapformat/test_objects_race.py
 	$(BIN)/python -m devtools.soak --minutes $(or $(SOAK_MINUTES),10)
 
 bench: venv

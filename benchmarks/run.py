@@ -9,7 +9,9 @@ Sections: ``format``, ``s3``, ``gym``, and (issue 6) ``tq`` (the TQ adapter vs T
 checkpoint), ``pause`` (the save pause vs rollouts and bytes), ``restore`` (restore vs a raw read),
 ``discovery`` (``latest()`` and ``snapformat show`` vs snapshots in the store), ``memory`` (peak RSS
 of saving and loading vs bytes), ``token_store`` (``gymkit.token_store`` puts/s and freeze vs Gym's
-own token-capture file store, and per-put latency on SeaweedFS). ``--size-gib`` and ``--repeats``
+own token-capture file store, and per-put latency on SeaweedFS), ``incremental`` (issue 21: bytes, time and
+requests of successive incremental vs full snapshots of a growing TQ on local disk and SeaweedFS, their
+restore, and GC of a large store of shared objects). ``--size-gib`` and ``--repeats``
 apply to ``format`` and ``s3``; the others have their own sizes (``--quick`` picks the small ones).
 
 Each section writes ``results/<section>.md`` (the committed report: machine, command, table) and
@@ -117,6 +119,14 @@ def _memory_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tup
     return memory_bench.markdown(result), result
 
 
+def _incremental_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import incremental_bench
+
+    result = incremental_bench.run(incremental_bench.QUICK if opts.quick else incremental_bench.FULL, opts.quick,
+                                   opts.scratch, opts.results, say)
+    return incremental_bench.markdown(result), result
+
+
 def _token_store_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
     from benchmarks import token_store_bench
 
@@ -136,6 +146,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[
     "restore": _restore_section,
     "discovery": _discovery_section,
     "memory": _memory_section,
+    "incremental": _incremental_section,
     "token_store": _token_store_section,
 }
 

@@ -110,6 +110,15 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     given; ``resume_timeout_s`` Gym's resume and abort. ``capture_max_bytes``: how much of the rows
     it puts the TransferQueue adapter keeps, so a save need not read them back out of TQ (0 keeps
     none; past it, later rows are read back at save time).
+
+    ``incremental`` (default true): each snapshot writes only the data plane's rows that are new
+    since the one before. The rows go into segments (shared objects of at most 8,192 consecutive
+    keys of one partition, format 1.3), and a segment the parent snapshot holds is listed again,
+    narrowed to the rows still listed, rather than written (:mod:`coordinator.dataplane.segments`);
+    this needs a data plane whose rows are write-once, as TransferQueue's adapter's are (another
+    writes every row as new segments). Gym's parts and the controller's records are written whole
+    either way. False: one file per row kind, every row written by every save (snapshots that do
+    not need the ``shared_objects`` feature, so readers without it read them).
     """
 
     rollout_checkpointing: RolloutCheckpointing = msgspec.field(default_factory=RolloutCheckpointing)
@@ -125,6 +134,7 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     compression: Literal["none", "zstd", "lz4"] = "none"
     data_plane_timeout_s: Positive = 300.0  # a TransferQueue call that takes longer fails the step (dead storage)
     capture_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 << 30
+    incremental: bool = True
 
     def __post_init__(self) -> None:
         _check_fields(self)

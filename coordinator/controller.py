@@ -76,12 +76,13 @@ class RunOutcome(msgspec.Struct, kw_only=True):
 
 
 def make_data_plane(kind: str, timeout_s: float = 300.0, capture_max_bytes: int = 4 << 30) -> DataPlane:
-    """``tq``: TransferQueue on this Ray cluster (attaches to the running one); ``memory``: in-process."""
+    """``tq``: TransferQueue on this Ray cluster (attaches to the running one); ``memory``: in-process.
+    Both are write-once (the controller puts each key once), so incremental saves list rows again."""
     parts = {TOKEN_PARTITION}
     if kind == "memory":
         from coordinator.dataplane import InMemoryDataPlane
 
-        return InMemoryDataPlane(parts)
+        return InMemoryDataPlane(parts, write_once=True)
     if kind == "tq":
         import transfer_queue as tq
 

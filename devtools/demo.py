@@ -9,7 +9,8 @@ and finishes with exactly what an uninterrupted run produces.
    unfinished rollout from its last finished turn, and finishes.
 4. The report: from which turn each restored rollout continued, the check against run 1 (final
    trajectories and data-plane rows equal; every rollout trained exactly once), the pause of every
-   snapshot, and ``snapformat show`` of the newest snapshot.
+   snapshot and the bytes it wrote (new rows, and the rows it shares with the snapshot before it:
+   saves are incremental), and ``snapformat show`` of the newest snapshot.
 
 ``--store`` is a folder (default) or ``s3://bucket/prefix``; each demo run uses a fresh sub-prefix.
 """
@@ -54,6 +55,15 @@ def reference_content(workdir: Path, workload: Workload, config: ControllerConfi
     if ref.wait(JOB_TIMEOUT_S) != 0:
         raise RuntimeError(f"the uninterrupted reference run failed:\n{ref.tail()}")
     return content(tables_of(ref.outcome()))
+
+
+def written(save: dict[str, Any]) -> str:
+    """What a published save wrote: new bytes (the data plane's rows, then every other file) and the
+    bytes of rows it lists from the snapshot before it without writing them."""
+    new_rows, shared, parts = save["rows_new_bytes"], save["rows_shared_bytes"], save["parts_bytes"]
+    return (f"written {(new_rows + parts) / 1e6:.3f} MB new ({new_rows / 1e6:.3f} MB of rows, "
+            f"{parts / 1e6:.3f} MB of Gym's and the controller's files), {shared / 1e6:.3f} MB of rows shared "
+            "with the snapshot before")
 
 
 def _say(msg: str) -> None:
@@ -122,11 +132,13 @@ def run_demo(store: str, workdir: Path, workload: Workload, config: ControllerCo
         _say(f"   equal: every trajectory and every data-plane row ({rows}); each of {len(ids)} rollouts trained "
              "exactly once, no acknowledgement owed")
 
-    _say("\n== 6. the pause of each snapshot (from prepare to resume)")
+    _say("\n== 6. each snapshot: its pause (from prepare to resume) and the bytes it wrote")
     for s in saves_of(workdir / "run"):  # both jobs append to it
         state = f"snapshot {s['sequence']}" if s["published"] else f"not published ({s['error']})"
         steps = ", ".join(f"{k} {v * 1000:.0f}" for k, v in s["steps_s"].items())
         _say(f"   {state}: pause {s['pause_s'] * 1000:.0f} ms [{steps} ms], {s['cut_bytes'] / 1e6:.2f} MB cut")
+        if s["published"]:
+            _say(f"      {written(s)}")
 
     _say("\n== 7. the newest snapshot: snapformat show")
     subprocess.run([sys.executable, "-m", "snapformat", "show", run_store], check=False)

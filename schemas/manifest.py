@@ -23,6 +23,10 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 # the same in JSON Schema's ECMA regexes).
 Checksum = Annotated[str, msgspec.Meta(pattern=r"^(xxh128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$(?![\s\S])")]
 Fingerprint = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$(?![\s\S])")]
+#: A shared object's name: the SHA-256 of its bytes (SPEC §14.2).
+ObjectName = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$(?![\s\S])")]
+RowRange = Annotated[tuple[NonNeg, NonNeg], msgspec.Meta(
+    description="`[start, stop)` of the rows of a row file, counted from 0 across its record batches.")]
 
 #: What each file of a snapshot holds; decides how it is parsed and which struct or Arrow schema
 #: it must follow. Readers ignore files of kinds they do not know (verify still checks bytes).
@@ -75,6 +79,14 @@ class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
     writer: Annotated[Str, msgspec.Meta(
         description="Label of the participant that wrote the file (by default its part prefix). "
                     "Informative.")] = ""
+    object: Annotated[ObjectName | None, msgspec.Meta(
+        description="The shared object that holds the file's bytes (`sha256:<hex>` of those bytes; format 1.3, "
+                    "feature `shared_objects`): read from `objects/<first 2 hex digits>/<64 hex digits>` of the "
+                    "store instead of the snapshot folder, and `checksum` MUST equal it. Null: the file lies in "
+                    "the snapshot folder at `path`.")] = None
+    row_range: Annotated[RowRange | None, msgspec.Meta(
+        description="`[start, stop)`: the rows of the object's row file that this snapshot holds (row parts "
+                    "naming an object only; `records` MUST equal `stop - start`). Null: every row of the file.")] = None
 
 
 class PartManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,8 +154,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
         description="Format version the publisher wrote. Readers refuse another major version.")]
     required_features: Annotated[list[Str], msgspec.Meta(
         description="Features a reader MUST implement to read this snapshot correctly (see Features): "
-                    "`dataplane_rows` when it holds a file of that kind, else empty (always empty in "
-                    "1.0).")] = []
+                    "`dataplane_rows` when it holds a file of that kind, `shared_objects` when an entry "
+                    "names a shared object, else empty (always empty in 1.0).")] = []
     snapshot_id: Annotated[Name, msgspec.Meta(description="This snapshot's id (its folder name).")]
     sequence: Annotated[int, msgspec.Meta(ge=1), msgspec.Meta(
         description="This snapshot's sequence number (>= 1).")]

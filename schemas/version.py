@@ -12,17 +12,23 @@ FORMAT_MAJOR = 1
 #: ``gym_commit`` and ``topology_fingerprint`` hold what Gym's protocol gives (Gym's component names
 #: and commit replies; NeMo-RL's fingerprint). It needs no feature (SPEC §13.1): see
 #: :data:`KINDS_WITHOUT_FEATURE`.
-FORMAT_MINOR = 2
+#: 1.3 adds shared objects (feature ``shared_objects``, SPEC §14.2): immutable, content-addressed
+#: files under ``objects/`` that a file entry names instead of a file of the snapshot folder, so that
+#: a snapshot lists what its parent wrote without writing it again (incremental snapshots).
+FORMAT_MINOR = 3
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 
 #: Features this implementation understands. A snapshot lists the ones a reader MUST know in
 #: ``required_features``; an unknown entry there is refused, naming both format versions (a reader
 #: that skipped what it does not know would misread the snapshot). 1.0 defined none; 1.1 defines
 #: ``dataplane_rows``: a snapshot holding a file of that kind lists it, because a reader that
-#: ignores unknown kinds would restore the data plane without those partitions. 1.2 adds none.
-KNOWN_FEATURES: frozenset[str] = frozenset({"dataplane_rows"})
+#: ignores unknown kinds would restore the data plane without those partitions. 1.2 adds none. 1.3
+#: defines ``shared_objects``: a snapshot with a file entry naming an object lists it, because a
+#: reader that looked for that file in the snapshot folder would find nothing there.
+SHARED_OBJECTS = "shared_objects"
+KNOWN_FEATURES: frozenset[str] = frozenset({"dataplane_rows", SHARED_OBJECTS})
 #: Names the spec reserves for later minor versions: refused until implemented.
-RESERVED_FEATURES: frozenset[str] = frozenset({"shared_objects"})
+RESERVED_FEATURES: frozenset[str] = frozenset()
 
 #: The feature a snapshot MUST list in ``required_features`` when it holds a file of the kind
 #: (a kind an older reader would skip, losing what the file holds).
@@ -68,11 +74,14 @@ def check_readable(format_version: str, required_features: list[str] | tuple[str
         )
 
 
-def features_of_kinds(kinds: Iterable[str]) -> list[str]:
-    """The ``required_features`` of a snapshot whose files are of ``kinds``: sorted, each once, empty
-    when none of them needs one (so such a snapshot stays readable by a 1.0 reader). ``gym_file``
-    needs none (:data:`KINDS_WITHOUT_FEATURE`)."""
-    return sorted({KIND_FEATURES[k] for k in kinds if k in KIND_FEATURES})
+def features_of_kinds(kinds: Iterable[str], objects: bool = False) -> list[str]:
+    """The ``required_features`` of a snapshot whose files are of ``kinds`` (and, with ``objects``,
+    one of which names a shared object): sorted, each once, empty when none of them needs one (so
+    such a snapshot stays readable by a 1.0 reader). ``gym_file`` needs none (:data:`KINDS_WITHOUT_FEATURE`)."""
+    features = {KIND_FEATURES[k] for k in kinds if k in KIND_FEATURES}
+    if objects:
+        features.add(SHARED_OBJECTS)
+    return sorted(features)
 
 
 def check_record_version(schema_version: int, where: str) -> None:

@@ -25,7 +25,7 @@ class RowsWriter:
     """Writes record batches of one row kind into one Arrow IPC file, checking each batch."""
 
     def __init__(self, raw, kind: str, where: str, compression: str = "none",
-                 schema: pa.Schema | None = None) -> None:
+                 schema: pa.Schema | None = None, algorithm: str = "xxh128") -> None:
         if kind not in ROW_SCHEMAS:
             raise InvalidRecordError(f"{where}: {kind!r} is not a row kind (expected {sorted(ROW_SCHEMAS)})")
         if compression not in IPC_COMPRESSIONS:
@@ -33,7 +33,7 @@ class RowsWriter:
         self.kind = kind
         self.where = where
         self._raw = raw
-        self._hashing = HashingWriter(raw)
+        self._hashing = HashingWriter(raw, algorithm)  # sha256 for a shared object: its name
         self._sink = WriteBehind(self._hashing)  # hashed and written on a second thread, in order
         self._options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
         self._schema = schema
@@ -87,7 +87,8 @@ def write_rows(raw, kind: str, data: Iterable[pa.RecordBatch | pa.Table] | pa.Ta
 
 
 def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str | None,
-                batches: int | None = None, records: int | None = None) -> pa.ipc.RecordBatchFileReader:
+                batches: int | None = None, records: int | None = None,
+                rows_at_least: bool = False) -> pa.ipc.RecordBatchFileReader:
     """Open a row part held in ``buf`` (memory-mapped or in memory) after checking it.
 
     The size is always checked; the checksum when given: a reader is returned only once it matches,
@@ -104,6 +105,8 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
     checks then read pages the hash has just brought in, and their cost hides behind the disk's
     (SPEC §15.4 step 4 allows it: nothing parsed reaches the caller before the checksum matches).
     A part with dictionary batches is hashed in full first (Arrow reads them as it opens the file).
+    With ``rows_at_least`` the file must hold at least ``records`` rows, not exactly (a shared object
+    of which the manifest lists a row range ending there).
     """
     if buf.size != size:
         raise CorruptSnapshotError(f"{where}: size is {buf.size} bytes, the manifest says {size}")
@@ -116,7 +119,7 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
         else:
             check(where, checksum_bytes(view, algo), checksum)
     try:
-        reader = _open_checked(buf, view, kind, where, batches, records, hashing)
+        reader = _open_checked(buf, view, kind, where, batches, records, hashing, rows_at_least)
     except SnapshotError:
         if hashing is not None:
             check(where, hashing.result(), checksum)  # corrupt bytes: the mismatch is the cause
@@ -127,7 +130,8 @@ def open_buffer(buf: pa.Buffer, kind: str, where: str, size: int, checksum: str 
 
 
 def _open_checked(buf: pa.Buffer, view: memoryview, kind: str, where: str, batches: int | None,
-                  records: int | None, hashing: BackgroundHash | None) -> pa.ipc.RecordBatchFileReader:
+                  records: int | None, hashing: BackgroundHash | None,
+                  rows_at_least: bool = False) -> pa.ipc.RecordBatchFileReader:
     """:func:`open_buffer`'s checks; with ``hashing``, each batch's once the hash has passed it."""
     blocks = footer_blocks(view, where) or []
     if hashing is not None and any(b.label != "record batch" for b in blocks):
@@ -160,6 +164,7 @@ def _open_checked(buf: pa.Buffer, view: memoryview, kind: str, where: str, batch
                 raise CorruptSnapshotError(f"{where}: record batch {i} is unreadable: {exc}") from None
             check_no_nulls(kind, batch, f"{where}: record batch {i}")  # against the canonical schema
             n += batch.num_rows
-        if n != records:
-            raise CorruptSnapshotError(f"{where}: has {n} rows, the manifest says {records}")
+        if n < records if rows_at_least else n != records:
+            expected = f"at least {records}" if rows_at_least else f"{records}"
+            raise CorruptSnapshotError(f"{where}: has {n} rows, the manifest says {expected}")
     return reader

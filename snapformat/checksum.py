@@ -99,10 +99,11 @@ class BackgroundHash:
 class HashingWriter(WriteStream):
     """Wraps a binary writer: counts bytes and checksums them on the way to disk."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, algorithm: str = ALGORITHM) -> None:
         self.raw = raw
         self.size = 0
-        self._hasher = new_hasher()
+        self._algorithm = algorithm
+        self._hasher = new_hasher(algorithm)
         self.closed = False
 
     def write(self, data) -> int:
@@ -120,4 +121,4 @@ class HashingWriter(WriteStream):
 
     @property
     def checksum(self) -> str:
-        return f"{ALGORITHM}:{self._hasher.hexdigest()}"
+        return f"{self._algorithm}:{self._hasher.hexdigest()}"

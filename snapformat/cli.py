@@ -26,15 +26,19 @@ from snapformat import layout
 from snapformat.gym_dir import gym_part_summary
 from snapformat.kinds import ALIASES, GYM_FILE_KIND, storage_of
 from snapformat.progress import Progress
-from snapformat.reader import Snapshot, load_manifest, open_snapshot, resolve_kind
+from snapformat.reader import Snapshot, load_manifest, open_sequence, open_snapshot, resolve_kind
 from snapformat.retention import DEFAULT_DRAFT_MIN_AGE_S
 from snapformat.snapshot_store import SnapshotStore, stores_under
 from snapformat.token_rows import iter_entries
-from snapformat.verify import verify_snapshot
+from snapformat.verify import describe, open_all, verify_snapshot, verify_store
 
 
 class UsageError(Exception):
     """Bad arguments (exit 2)."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def _time(ts: float) -> str:
@@ -136,8 +140,47 @@ def _summary(snap: Snapshot) -> dict[str, Any]:
         "timings_s": m.timings_s,
         "producer": m.producer,
         "kinds": by_kind,
+        "bytes": _sharing(snap),
         "gym_parts": _gym_parts(snap),
         "files": msgspec.to_builtins(m.files),
+    }
+
+
+def _sharing(snap: Snapshot) -> dict[str, Any]:
+    """Bytes this snapshot added and bytes it shares with its parent (SPEC §14.2).
+
+    Each shared object counts once, however many entries name it: as shared when the parent's
+    manifest names it too, else as new; the files of the snapshot's own folder count as new. When
+    the parent is gone from this store (retention, or a copy without it), nothing can be called
+    shared: ``parent`` says why, and every byte counts as new.
+    """
+    m = snap.manifest
+    objects = {f.object: f.size for f in m.files if f.object is not None}
+    own = sum(f.size for f in m.files if f.object is None)
+    parent_objects: set[str] = set()
+    if m.parent is None:
+        parent = "none"
+    else:
+        try:
+            found = open_sequence(snap.store, m.parent.sequence)
+            if found.manifest.snapshot_id == m.parent.snapshot_id:
+                parent = "read"
+                parent_objects = {f.object for f in found.manifest.files if f.object is not None}
+            else:
+                parent = f"not in this store (sequence {m.parent.sequence} holds {found.manifest.snapshot_id})"
+        except NotPublishedError:
+            parent = "not in this store (deleted by retention, or not copied)"
+        except SnapshotError as exc:
+            parent = f"unreadable ({exc})"
+    shared = {name: size for name, size in objects.items() if name in parent_objects}
+    shared_bytes = sum(shared.values())
+    return {
+        "total": own + sum(objects.values()),
+        "new": own + sum(objects.values()) - shared_bytes,
+        "shared_with_parent": shared_bytes,
+        "objects": len(objects),
+        "objects_shared_with_parent": len(shared),
+        "parent": parent,
     }
 
 
@@ -162,6 +205,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     parent = s["parent"]
     print(f"parent       {parent['snapshot_id'] + ' (sequence ' + str(parent['sequence']) + ')' if parent else '-'}")
     print(f"topology     {s['topology_fingerprint'] or '-'}")
+    b = s["bytes"]
+    if b["parent"] in ("read", "none"):
+        sharing = (f"{_mib(b['shared_with_parent'])} shared with the parent ({b['objects_shared_with_parent']} of "
+                   f"{b['objects']} objects)") if b["parent"] == "read" else "no parent"
+    else:
+        sharing = f"parent {b['parent']}: every byte counted as new"
+    print(f"bytes        {_mib(b['total'])}: {_mib(b['new'])} new, {sharing}")
     gym = snap.manifest.gym_commit
     if gym:
         print(f"gym commit   {gym.checkpoint_id}: " + ", ".join(f"{p.component}/{p.name}" for p in gym.participants))
@@ -183,7 +233,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    snap = _open(args.snapshot)
+    try:
+        snap = open_snapshot(args.snapshot)
+    except InvalidPathError:  # not a snapshot's location: a store, whose every snapshot is checked
+        return _verify_store(args)
     progress = Progress(sum(f.size for f in snap.manifest.files), f"verify {snap.manifest.snapshot_id}", enabled=not args.json)
     try:
         report = verify_snapshot(snap, progress.update)
@@ -200,11 +253,49 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _verify_store(args: argparse.Namespace) -> int:
+    """``verify`` of a store: every published snapshot, each shared object hashed once, and a bad
+    object named once with every snapshot and file that references it."""
+    store = SnapshotStore(args.snapshot)
+    store.check_marker()
+    snapshots, unreadable = open_all(store.store)
+    if not snapshots and not unreadable:
+        raise NotPublishedError(f"{args.snapshot}: the store has no published snapshot")
+    objects = {f.object: f.size for snap in snapshots for f in snap.manifest.files if f.object is not None}
+    total = sum(objects.values()) + sum(f.size for snap in snapshots for f in snap.manifest.files if f.object is None)
+    progress = Progress(total, f"verify {len(snapshots)} snapshots", enabled=not args.json)
+    try:
+        report = verify_store(store.store, progress.update, opened=(snapshots, unreadable))
+    finally:
+        progress.close()
+    files = sum(r.files_checked for r in report.snapshots)
+    checked = sum(r.bytes_checked for r in report.snapshots)
+    if args.json:
+        _emit_json({"ok": report.ok, "files_checked": files, "bytes_checked": checked, **msgspec.to_builtins(report)})
+    elif report.ok:
+        print(f"OK {report.store}: {len(report.snapshots)} snapshots, {files} files, {checked} bytes verified "
+              f"({report.objects_checked} shared objects, {report.object_bytes_checked} bytes, each hashed once)")
+    else:
+        bad = [p.location for p in report.object_problems]
+        for p in report.problems:  # a commit record or manifest that cannot be read (the message names it)
+            print(f"FAIL {p.message}", file=sys.stderr)
+        for op in report.object_problems:
+            print(f"FAIL {describe(op)}", file=sys.stderr)
+        count = len(report.problems) + len(report.object_problems)
+        for r in report.snapshots:
+            for p in r.problems:
+                if not any(location in p.message for location in bad):  # said once above, with every user
+                    print(f"FAIL {p.message}", file=sys.stderr)
+                    count += 1
+        failed = sum(1 for r in report.snapshots if not r.ok)
+        print(f"FAILED {report.store}: {count} problem(s); {failed} of {len(report.snapshots)} snapshots fail",
+              file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def _rows_iter(snap: Snapshot, part: str) -> Iterator[pa.RecordBatch]:
     for entry in snap.select(part):
-        reader = snap.open_rows(entry)
-        for i in range(reader.num_record_batches):
-            yield reader.get_batch(i)
+        yield from snap.iter_batches(entry)
 
 
 def _is_rows(snap: Snapshot, part: str) -> bool:
@@ -287,7 +378,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
     if rows and args.format == "jsonl" and _is_tokens(snap, args.part):
         # Gym's own record, as its TokenEntry.model_validate_json accepts it, one per line.
         for entry in snap.select(args.part):
-            for token_entry in iter_entries(snap.open_rows(entry), snap.where(entry)):
+            for token_entry in iter_entries(snap.iter_batches(entry), snap.where(entry)):
                 if limit is not None and n >= limit:
                     return 0
                 out.write(json.dumps(token_entry, separators=(",", ":")) + "\n")
@@ -341,9 +432,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         writer = None
         try:
             for entry in entries:
-                reader = snap.open_rows(entry)
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
+                for batch in snap.iter_batches(entry):
                     if writer is None:
                         writer = pq.ParquetWriter(args.out, batch.schema, compression="zstd")
                     writer.write_batch(batch)
@@ -368,13 +457,24 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     store = SnapshotStore(args.store)
     store.check_marker()
-    report = store.gc(keep_latest=args.keep, min_age_s=args.min_age)
+    try:
+        report = store.gc(keep_latest=args.keep, min_age_s=args.min_age, grace_s=args.grace)
+    except InvalidRecordError as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         _emit_json(report)
         return 0
     print(f"deleted {len(report.deleted_snapshots)} snapshot(s), swept {len(report.swept_drafts)} draft(s), "
           f"{len(report.swept_temp_files)} temporary file(s) and {len(report.aborted_uploads)} incomplete upload(s); "
           f"kept sequences {report.kept}")
+    k = report.kept_objects
+    if report.objects_not_swept is not None:
+        print(f"objects: none swept: {report.objects_not_swept}")
+    else:
+        print(f"objects: swept {len(report.swept_objects)} ({_mib(report.swept_object_bytes)}) that nothing references "
+              f"and older than the {report.grace_s:g} s grace period; kept {k.committed + k.drafts + k.young} "
+              f"({_mib(k.bytes)}): {k.committed} named by committed snapshots, {k.drafts} by drafts only, "
+              f"{k.young} unreferenced but younger than the grace period")
     return 0
 
 
@@ -398,7 +498,11 @@ def cmd_copy(args: argparse.Namespace) -> int:
         _emit_json(results)
         return 0
     for r in results:
-        print(f"{'already there' if r.skipped else 'copied':>13}  sequence {r.sequence}  {r.bytes:>12} B  {r.url}")
+        shared = r.objects_copied + r.objects_replaced + r.objects_present + r.objects_reused
+        objects = (f"  (objects: {r.objects_copied + r.objects_replaced} written, {r.objects_present + r.objects_reused} "
+                   f"already there{f', {r.objects_replaced} damaged ones replaced' if r.objects_replaced else ''})"
+                   if shared else "")
+        print(f"{'already there' if r.skipped else 'copied':>13}  sequence {r.sequence}  {r.bytes:>12} B  {r.url}{objects}")
     return 0
 
 
@@ -446,8 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("show", "show a snapshot's manifest")
     sp.add_argument("snapshot", help="a snapshot location as ls prints it, or a store (its newest snapshot)")
     sp.set_defaults(func=cmd_show)
-    sp = add("verify", "check every byte and cross-reference of a snapshot")
-    sp.add_argument("snapshot")
+    sp = add("verify", "check every byte and cross-reference of a snapshot, or of every snapshot of a store")
+    sp.add_argument("snapshot", help="a snapshot location as ls prints it, or a store (every snapshot; each shared "
+                                     "object hashed once)")
     sp.set_defaults(func=cmd_verify)
     parts = ", ".join(sorted(ALIASES))
     sp = add("cat", "print a part as JSON lines (token rows as Gym's TokenEntry; rows also as CSV)")
@@ -479,11 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefix", action="append", default=None,
                     help="only this part (repeatable; default: every Gym part of the snapshot)")
     sp.set_defaults(func=cmd_materialize)
-    sp = add("gc", "apply retention and sweep drafts left by crashed writers")
+    sp = add("gc", "apply retention, sweep drafts left by crashed writers and shared objects nothing references")
     sp.add_argument("store")
     sp.add_argument("--keep", type=int, default=None, help="keep only the newest K published snapshots")
     sp.add_argument("--min-age", type=float, default=DEFAULT_DRAFT_MIN_AGE_S,
                     help="sweep unpublished drafts idle for at least this many seconds (default 6 h)")
+    sp.add_argument("--grace", type=float, default=None,
+                    help="sweep shared objects nothing references once they are this many seconds old "
+                         "(default and minimum: --min-age)")
     sp.set_defaults(func=cmd_gc)
     return p
 

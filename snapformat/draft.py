@@ -10,6 +10,8 @@ checks them, and publishes (see ``publish.py``).
 
 from __future__ import annotations
 
+import functools
+import io
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -25,6 +27,8 @@ from snapformat import jsonl, layout
 from snapformat.arrow_parts import RowsWriter
 from snapformat.checksum import HashingWriter, checksum_bytes
 from snapformat.kinds import RECORD_TYPES, storage_of
+from snapformat.objects import ALGORITHM as OBJECT_ALGORITHM
+from snapformat.objects import put_object
 from snapformat.store import Store, open_store
 
 
@@ -79,6 +83,70 @@ class PartWriter:
                 w.write(item)
                 del item  # a generator's next batch is built while this name still holds the last one
         return w.entry
+
+    def write_rows_object(self, name: str, kind: str,
+                          data: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch | pa.Table],
+                          compression: str = "none") -> FileEntry:
+        """Write a row part as a shared object (format 1.3, SPEC §14.2) and list it as ``name``.
+
+        The file is built in memory (a segment: its writer bounds its size), checked by the same
+        row rules as :meth:`write_rows`, named by its SHA-256 and written create-only under
+        ``objects/`` (:func:`snapformat.objects.put_object`); a later snapshot lists it again with
+        :meth:`reference` without writing it. Durable when this returns.
+        """
+        rel = self._rel(name)
+        sink = io.BytesIO()
+        writer = RowsWriter(sink, kind, self.where(rel), compression, algorithm=OBJECT_ALGORITHM)
+        try:
+            for item in [data] if isinstance(data, (pa.Table, pa.RecordBatch)) else data:
+                writer.write(item)
+                del item
+            size, checksum = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        put_object(self.store, sink.getvalue(), name=checksum)
+        entry = FileEntry(path=rel, kind=kind, size=size, checksum=checksum, records=writer.records,
+                          batches=writer.batches, writer=self.writer, object=checksum)
+        self._files.append(entry)
+        return entry
+
+    def reference(self, entry: FileEntry, name: str | None = None,
+                  row_range: tuple[int, int] | None = None) -> FileEntry:
+        """List in this part a shared object an earlier snapshot wrote, without writing it.
+
+        ``entry`` is the object's entry in the draft's parent manifest (SPEC §14.2, writer rule 3:
+        a draft references only objects its parent lists or it wrote itself). ``name`` is the file's
+        name under this part's prefix (by default the name ``entry`` had under it). ``row_range``
+        (row parts only) narrows the rows this snapshot holds to ``[start, stop)`` of the object's
+        rows, within those ``entry`` held: rows that are gone from the data plane stop being listed
+        without the object being written again.
+        """
+        if entry.object is None:
+            raise InvalidRecordError(f"{entry.path}: names no shared object; only an object can be referenced")
+        if name is None:
+            if not entry.path.startswith(self.prefix + "/"):
+                raise InvalidPathError(f"{entry.path}: lies outside part {self.prefix!r}; give it a name here")
+            name = entry.path[len(self.prefix) + 1:]
+        rel = self._rel(name)
+        records = entry.records
+        if row_range is not None:
+            start, stop = row_range
+            low, high = entry.row_range if entry.row_range is not None else (0, entry.records)
+            if storage_of(entry.kind) != "rows":
+                raise InvalidRecordError(f"{self.where(rel)}: a row range needs a row part, not {entry.kind!r}")
+            if not low <= start <= stop <= high:
+                raise InvalidRecordError(
+                    f"{self.where(rel)}: row range [{start}, {stop}) is not within the rows [{low}, {high}) "
+                    f"the referenced entry holds")
+            records = stop - start
+            if entry.row_range is None and (start, stop) == (0, entry.records):
+                row_range = None
+        else:
+            row_range = entry.row_range
+        ref = msgspec.structs.replace(entry, path=rel, records=records, row_range=row_range, writer=self.writer)
+        self._files.append(ref)
+        return ref
 
     def write_records(self, name: str, kind: str, records: Iterable[Any], compress: str = "auto") -> FileEntry:
         """Write a JSON-lines part of ``kind``; ``name`` gets ``.jsonl`` or ``.jsonl.zst``."""
@@ -199,13 +267,19 @@ def _abort(raw) -> None:
 
 
 def _is_instance(rec: Any, record_type: Any) -> bool:
+    return isinstance(rec, _classes(record_type))
+
+
+@functools.lru_cache(maxsize=64)
+def _classes(record_type: Any) -> type | tuple[type, ...]:
+    """The classes a record of ``record_type`` (a struct, a union, or either ``Annotated``) may be:
+    resolved once per type, since a part checks every one of its records (a replay index holds one
+    per row the data plane holds)."""
     args = getattr(record_type, "__metadata__", None) and getattr(record_type, "__origin__", None)
     if args is not None:  # Annotated[Union, Meta]
         record_type = record_type.__origin__
     members = getattr(record_type, "__args__", None)
-    if members:
-        return isinstance(rec, members)
-    return isinstance(rec, record_type)
+    return tuple(members) if members else record_type
 
 
 class SnapshotDraft:

@@ -1,4 +1,4 @@
-"""A realistic example snapshot of format 1.2: what each participant of a run writes, seeded.
+"""A realistic example snapshot of format 1.3: what each participant of a run writes, seeded.
 
 Used by ``make format-demo``, the golden examples in ``spec/examples/``, the tests and the
 benchmarks, so they all exercise the same shape of data as a real run:
@@ -13,6 +13,11 @@ benchmarks, so they all exercise the same shape of data as a real run:
   server ``tools``'s sessions ``resources/tools/``;
 * the data plane's (TQ's) training rows and token-capture rows, and the Single Controller's
   loader place, replay index and recovery ledger.
+
+:func:`write_example` writes every file into the snapshot folder (one row file per kind: a writer
+with incremental saves turned off); :func:`write_incremental_example` writes the data plane's rows
+as segments, shared objects the next snapshot lists again without writing them (SPEC §12.12,
+§14.2), which is what the golden store ``spec/examples/store-v1.3`` holds.
 
 Gym's files are written here from ``schemas.gym_files``, not with ``gymkit.checkpoint_dir``
 (snapformat sits below gymkit), but their bytes come from the same builders gymkit's writers use
@@ -53,6 +58,7 @@ from schemas.control import (
     ResourcesCommitResponse,
 )
 from schemas.controller import AckOwed, LoaderPlace, PromptGroup, ReplayIndexEntry, RolloutAttempt
+from schemas.errors import InvalidRecordError
 from schemas.gym_files import (
     AGENT_ARCHIVE_MAX_BYTES,
     AGENT_ARCHIVE_MAX_MEMBERS,
@@ -85,7 +91,7 @@ from schemas.gym_records import (
     TokenIndexEntry,
 )
 from schemas.identity import capture_key
-from schemas.manifest import GymCommit, ParticipantCommit, PartReceipt
+from schemas.manifest import FileEntry, GymCommit, ParticipantCommit, PartReceipt
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
 from schemas.token_entry import token_digest
 from schemas.topology import manifest_fingerprint, topology_fingerprint
@@ -103,6 +109,7 @@ from snapformat.gym_dir import (
     write_jsonl,
     write_manifest,
 )
+from snapformat.reader import Snapshot, open_sequence
 from snapformat.token_rows import batch_entries
 
 AGENT, MODEL, RESOURCE = "agent0", "policy0", "tools"
@@ -149,9 +156,11 @@ class Rollout:
         self.calls = [f"call-{t}" for t in range(self.turns)]
 
 
-def rollouts(count: int, seed: int) -> list[Rollout]:
+def rollouts(count: int, seed: int, first: int = 0) -> list[Rollout]:
+    """``count`` rollouts drawn from ``seed``, numbered from ``first`` (their ids, ``p<group>_g<i>``,
+    follow the number; the draws do not depend on it)."""
     rng = random.Random(seed)
-    return [Rollout(rng, i, attempt=1 if rng.random() < 0.1 else 0) for i in range(count)]
+    return [Rollout(rng, first + i, attempt=1 if rng.random() < 0.1 else 0) for i in range(count)]
 
 
 def token_batches(rs: list[Rollout], seed: int, prompt_len: int = 64, gen_len: int = 32,
@@ -399,20 +408,14 @@ def write_example(draft: SnapshotDraft, count: int = 200, seed: int = 0) -> tupl
     Gym's servers' files go to the draft's ``gym/`` folder on a local store (adopted in place),
     else to a temporary staging folder that adoption uploads, as a real save does (CONTROL.md §9).
     Returns Gym's commit result and the receipts; pass both to ``draft.publish``.
+
+    Every file lies in the snapshot folder: the data plane's rows are one whole file per kind, what
+    a writer with incremental saves turned off writes (:func:`write_incremental_example` is the
+    other way).
     """
     rs = rollouts(count, seed)
     batches = list(token_batches(rs, seed))
-    tokens = {}
-    for b, (batch, placed) in enumerate(batches):
-        for (r, c, _), entry in zip(placed, batch_entries(batch, f"example tokens: batch {b}"), strict=True):
-            tokens[(r.key, c)] = entry
-    checkpoint_id = f"ckpt-{draft.sequence}"
-    local = draft.store.local_path(layout.file_key(draft.snapshot_id, layout.GYM_PREFIX))
-    if local is not None:
-        gym, receipts = _adopt_gym(draft, Path(local), checkpoint_id, rs, tokens)
-    else:
-        with tempfile.TemporaryDirectory(prefix="example-gym-") as staging:
-            gym, receipts = _adopt_gym(draft, Path(staging), checkpoint_id, rs, tokens)
+    gym, receipts = _write_gym(draft, rs, batches)
 
     tq = draft.part("tq", writer="tq")
     tq.write_rows("training.arrow", "training_rows", training_batch(rs, seed))
@@ -422,14 +425,137 @@ def write_example(draft: SnapshotDraft, count: int = 200, seed: int = 0) -> tupl
     return gym, [*receipts, tq.close(), _write_controller(draft, rs, seed)]
 
 
-def _write_controller(draft: SnapshotDraft, rs: list[Rollout], seed: int) -> PartReceipt:
-    """The Single Controller's part: loader place, replay index, recovery ledger."""
+def replay_entries(rs: list[Rollout]) -> list[ReplayIndexEntry]:
+    """The replay index of the finished rollouts' training rows (each owed to training)."""
+    return [ReplayIndexEntry(key=f"{r.key}/sample", partition_id="train", rollout_id=r.rollout_id, attempt_index=r.attempt,
+                             group_id=r.group_id, status="ready") for r in rs if r.finished]
+
+
+def _write_gym(draft: SnapshotDraft, rs: list[Rollout], batches: list[tuple[pa.RecordBatch, list[tuple[Rollout, str, int]]]]
+               ) -> tuple[GymCommit, list[PartReceipt]]:
+    """Gym's servers' files for the rollouts ``rs`` (whose token rows are ``batches``), adopted as parts."""
+    tokens = {}
+    for b, (batch, placed) in enumerate(batches):
+        for (r, c, _), entry in zip(placed, batch_entries(batch, f"example tokens: batch {b}"), strict=True):
+            tokens[(r.key, c)] = entry
+    checkpoint_id = f"ckpt-{draft.sequence}"
+    local = draft.store.local_path(layout.file_key(draft.snapshot_id, layout.GYM_PREFIX))
+    if local is not None:
+        return _adopt_gym(draft, Path(local), checkpoint_id, rs, tokens)
+    with tempfile.TemporaryDirectory(prefix="example-gym-") as staging:
+        return _adopt_gym(draft, Path(staging), checkpoint_id, rs, tokens)
+
+
+# -- incremental saves (format 1.3, SPEC §12.12, §14.2) ------------------------------------------------------
+#: Most rows in one segment of the data plane's rows (SPEC §12.12).
+SEGMENT_ROWS = 8192
+#: The data plane's row kinds saved as segments, and the stem of their segments' names
+#: (``tq/<stem>-<6 digits>.arrow``: the segment's number, counted on from the parent's).
+SEGMENT_STEMS = {"training_rows": "training", "token_capture_rows": "token_capture"}
+#: A parent's segment is listed again only while it still holds at least this share of its rows;
+#: below it, its surviving rows are written again as a new segment (SPEC §12.12).
+MIN_REUSE = 0.25
+
+
+def _segment_number(path: str, stem: str) -> int | None:
+    name = path.rsplit("/", 1)[-1]
+    if name.startswith(f"{stem}-") and name.endswith(".arrow") and name[len(stem) + 1:-6].isdigit():
+        return int(name[len(stem) + 1:-6])
+    return None
+
+
+def _chunks(table: pa.Table, rows: int) -> Iterator[pa.Table]:
+    for start in range(0, table.num_rows, rows):
+        yield table.slice(start, rows)
+
+
+def write_incremental_example(draft: SnapshotDraft, count: int = 200, seed: int = 0, first: int = 0,
+                              consumed: int = 0) -> tuple[GymCommit, list[PartReceipt]]:
+    """Write an example snapshot as an incremental writer does (format 1.3, SPEC §12.12, §14.2):
+    the data plane's rows as immutable segments (shared objects), the parent's segments listed again
+    instead of written.
+
+    The data plane holds, in this order, what it held at the parent snapshot less the ``consumed``
+    oldest training rows, then the rows of ``count`` new rollouts drawn from ``seed`` (numbered from
+    ``first``, so their ids differ from the parent's). So the TQ part lists:
+
+    * each of the parent's training segments whose surviving rows are still one run holding at
+      least a quarter of the segment: listed again, narrowed by ``row_range`` when rows are gone
+      (otherwise its surviving rows are written again as a new segment);
+    * each of the parent's token-capture segments, listed again whole;
+    * the new rows as new segments of at most :data:`SEGMENT_ROWS` rows each, numbered on from
+      the parent's (``tq/training-000001.arrow``...).
+
+    Gym's files and the Single Controller's part are whole files, as :func:`write_example` writes
+    them for the new rollouts; the replay index lists every training row the data plane still holds
+    and the loader place counts every prompt group so far. Every byte is a pure function of the
+    arguments and of the parent's bytes. Returns Gym's commit result and the receipts.
+    """
+    rs = rollouts(count, seed, first)
+    batches = list(token_batches(rs, seed))
+    gym, receipts = _write_gym(draft, rs, batches)
+    parent = None
+    if draft.parent is not None:
+        parent = open_sequence(draft.store, draft.parent.sequence)
+        if parent.manifest.snapshot_id != draft.parent.snapshot_id:
+            raise InvalidRecordError(f"{draft.url}: its parent {draft.parent.snapshot_id} is gone")
+
+    tq = draft.part("tq", writer="tq")
+    survivors: list[pa.Table] = []  # the parent's training rows the data plane still holds
+    new = {"training_rows": pa.Table.from_batches([training_batch(rs, seed)]),
+           "token_capture_rows": pa.Table.from_batches([b for b, _ in batches])}
+    for kind, stem in SEGMENT_STEMS.items():
+        entries = [] if parent is None else [f for f in parent.files(kind) if f.object is not None]
+        numbers = [n for f in entries if (n := _segment_number(f.path, stem)) is not None]
+        next_number = max(numbers, default=-1) + 1
+        drop = consumed if kind == "training_rows" else 0
+        for entry in entries:
+            low, high = entry.row_range or (0, entry.records)
+            skip = min(drop, high - low)  # the oldest rows are consumed first
+            drop -= skip
+            start = low + skip
+            if start == high:
+                continue  # every row of it is gone: it is simply not listed any more
+            if kind == "training_rows":
+                survivors.append(parent.read_rows(entry).slice(skip))
+            if high - start >= MIN_REUSE * _object_rows(parent, entry):
+                tq.reference(entry, row_range=(start, high) if skip else None)
+                continue
+            for chunk in _chunks(parent.read_rows(entry).slice(skip), SEGMENT_ROWS):  # in place: data-plane order
+                tq.write_rows_object(f"{stem}-{next_number:06d}.arrow", kind, chunk)
+                next_number += 1
+        for chunk in _chunks(new[kind], SEGMENT_ROWS):
+            tq.write_rows_object(f"{stem}-{next_number:06d}.arrow", kind, chunk)
+            next_number += 1
+
+    columns = ["key", "partition_id", "rollout_id", "attempt_index"]
+    replay = [ReplayIndexEntry(key=row["key"], partition_id=row["partition_id"], rollout_id=row["rollout_id"],
+                               attempt_index=row["attempt_index"], group_id=row["rollout_id"].split("_")[0],
+                               status="ready")
+              for table in survivors for row in table.select(columns).to_pylist()]
+    replay += replay_entries(rs)
+    controller = _write_controller(draft, rs, seed, replay=replay,
+                                   consumed=(first + count + GROUP_SIZE - 1) // GROUP_SIZE)
+    return gym, [*receipts, tq.close(), controller]
+
+
+def _object_rows(snap: Snapshot, entry: FileEntry) -> int:
+    """Rows of the whole object an entry names (its row range may list fewer)."""
+    if entry.row_range is None:
+        return entry.records
+    reader = snap.open_rows(entry)
+    return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+
+
+def _write_controller(draft: SnapshotDraft, rs: list[Rollout], seed: int, replay: list[ReplayIndexEntry] | None = None,
+                      consumed: int | None = None) -> PartReceipt:
+    """The Single Controller's part: loader place, replay index, recovery ledger (of the rollouts
+    ``rs``; the replay index and the loader's ``consumed`` default to theirs alone)."""
     ctl = draft.part("controller", writer="controller")
     groups = sorted({r.group_id for r in rs})
-    ctl.write_json("loader", "loader_place", LoaderPlace(epoch=0, consumed=len(groups), seed=seed, dataset_size=10 * len(groups)))
-    ctl.write_records("replay_index", "replay_index", (
-        ReplayIndexEntry(key=f"{r.key}/sample", partition_id="train", rollout_id=r.rollout_id, attempt_index=r.attempt,
-                         group_id=r.group_id, status="ready") for r in rs if r.finished))
+    ctl.write_json("loader", "loader_place", LoaderPlace(epoch=0, consumed=len(groups) if consumed is None else consumed,
+                                                         seed=seed, dataset_size=10 * len(groups)))
+    ctl.write_records("replay_index", "replay_index", replay_entries(rs) if replay is None else replay)
     ledger: list = [PromptGroup(group_id=g, prompt_index=int(g[1:]), state="generating",
                                 rollout_ids=[r.rollout_id for r in rs if r.group_id == g]) for g in groups]
     ledger += [RolloutAttempt(rollout_id=r.rollout_id, group_id=r.group_id, attempt_index=r.attempt,

@@ -5,6 +5,7 @@
     <store>/_commits/<20 digits>.json      one commit record per published snapshot
     <store>/snapshots/<snapshot_id>/       a snapshot's files; invisible until committed
     <store>/snapshots/<snapshot_id>/manifest.json
+    <store>/objects/<2 hex>/<64 hex>        shared objects (format 1.3): named by the SHA-256 of their bytes
 
 Commit names are ``2**64 - 1 - sequence``, zero-padded to 20 digits, so that a plain sorted
 listing returns the newest commit first (Lance's newest-first trick).
@@ -25,9 +26,12 @@ SNAPSHOTS = "snapshots"
 MANIFEST_NAME = "manifest.json"
 PART_MANIFEST_NAME = "part-manifest.json"
 HEARTBEAT_NAME = "draft-heartbeat"
+OBJECTS = "objects"
 
 _MAX_SEQ = 2**64 - 1
 _COMMIT_RE = re.compile(r"^([0-9]{20})\.json$")
+_OBJECT_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
+_OBJECT_KEY_RE = re.compile(r"^objects/([0-9a-f]{2})/([0-9a-f]{64})$")
 SNAPSHOT_ID_RE = re.compile(r"^snap-([0-9]{10,20})-[0-9a-f]{8}$")
 
 
@@ -70,6 +74,23 @@ def snapshot_dir(snapshot_id: str) -> str:
 def file_key(snapshot_id: str, rel_path: str) -> str:
     """Store key of a snapshot's file; ``rel_path`` is validated so it cannot leave the folder."""
     return f"{snapshot_dir(snapshot_id)}/{check_relative_path(rel_path)}"
+
+
+def object_key(name: str) -> str:
+    """Store key of the shared object ``sha256:<hex>`` (SPEC §14.2): ``objects/<hex[:2]>/<hex>``."""
+    m = _OBJECT_RE.match(name)
+    if not m:
+        raise InvalidPathError(f"object name {name!r} is not 'sha256:<64 hex digits>'")
+    return f"{OBJECTS}/{m.group(1)[:2]}/{m.group(1)}"
+
+
+def object_of_key(key: str) -> str | None:
+    """The object name ``sha256:<hex>`` a store key stands for, or None for any other key
+    (a temporary file, a key in the wrong fan-out folder)."""
+    m = _OBJECT_KEY_RE.match(key)
+    if not m or m.group(2)[:2] != m.group(1):
+        return None
+    return f"sha256:{m.group(2)}"
 
 
 def split_snapshot_url(url: str) -> tuple[str, str]:

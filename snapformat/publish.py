@@ -1,8 +1,9 @@
 """Publishing a draft: one commit point, and what a crash at each step leaves behind.
 
 1. Check every part: its manifest's checksum equals the receipt's, every path lies under the
-   part's prefix, and every listed file exists with its listed size. *Crash: the draft stays
-   unlisted; GC sweeps it by age.*
+   part's prefix, and every listed file (and every shared object an entry names) exists with its
+   listed size. *Crash: the draft stays unlisted; GC sweeps it by age, and the objects only it
+   wrote once they are older than the grace period (SPEC §14.2).*
 2. Write ``snapshots/<id>/manifest.json`` (create-only, durable). *Crash: as 1.*
 3. Commit: create ``_commits/<inverted sequence>.json`` only if absent (the commit point). If it
    exists, another writer won: raise :class:`CommitConflictError` and delete this draft.
@@ -29,7 +30,7 @@ from snapformat import jsonl, layout
 from snapformat.checksum import check, checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
 from snapformat.kinds import RECORD_TYPES, storage_of
-from snapformat.reader import MAX_JSON_PART_BYTES
+from snapformat.reader import MAX_JSON_PART_BYTES, check_entry
 from snapformat.store import Store, open_store
 
 log = logging.getLogger("snapformat.publish")
@@ -61,8 +62,8 @@ def load_part(store: Store, snapshot_id: str, receipt: PartReceipt) -> PartManif
     check_readable(part.format_version, [], where)
     if part.snapshot_id != snapshot_id or part.prefix != receipt.prefix:
         raise CorruptSnapshotError(f"{where}: written for snapshot {part.snapshot_id!r} prefix {part.prefix!r}")
-    for f in part.files:
-        check_relative_path(f.path, where=f"{where}: files[].path")
+    for i, f in enumerate(part.files):
+        check_entry(f, f"{where}: files[{i}]")
         if not f.path.startswith(receipt.prefix + "/"):
             raise InvalidPathError(f"{where}: file {f.path!r} lies outside the part's prefix {receipt.prefix!r}")
     return part
@@ -87,7 +88,7 @@ def read_part_records(draft_url: str, receipt: PartReceipt, kind: str) -> Iterat
     for f in part.files:
         if f.kind != kind:
             continue
-        key = layout.file_key(snapshot_id, f.path)
+        key = layout.object_key(f.object) if f.object is not None else layout.file_key(snapshot_id, f.path)
         where = store.display(key)
         try:
             data = store.read_bytes(key)
@@ -106,8 +107,15 @@ def _part_manifest_entry(store: Store, snapshot_id: str, part: PartManifest, rec
 
 
 def _check_files_present(store: Store, snapshot_id: str, files: list[FileEntry]) -> None:
+    checked: set[str] = set()
     for f in files:
-        key = layout.file_key(snapshot_id, f.path)
+        if f.object is not None:
+            if f.object in checked:  # one object may back several entries (row ranges)
+                continue
+            checked.add(f.object)
+            key = layout.object_key(f.object)
+        else:
+            key = layout.file_key(snapshot_id, f.path)
         try:
             size = store.info(key).size
         except FileNotFoundError:
@@ -169,7 +177,7 @@ def publish(
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         # What a reader must implement to read these files (SPEC §14): a kind it would skip is announced.
-        required_features=features_of_kinds(f.kind for f in files),
+        required_features=features_of_kinds((f.kind for f in files), objects=any(f.object for f in files)),
         snapshot_id=draft.snapshot_id,
         sequence=draft.sequence,
         created_at=draft.created_at,

@@ -16,7 +16,7 @@ from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishe
 from schemas.gym_records import TokenIndexEntry
 from schemas.identity import check_relative_path
 from schemas.manifest import CommitRecord, FileEntry, Manifest
-from schemas.version import check_readable
+from schemas.version import SHARED_OBJECTS, check_readable
 from snapformat import discovery, jsonl, layout
 from snapformat.arrow_parts import open_buffer
 from snapformat.checksum import check, checksum_bytes
@@ -57,11 +57,31 @@ def load_manifest(store: Store, commit: CommitRecord) -> Manifest:
             f"{commit_where} names {commit.snapshot_id!r} sequence {commit.sequence}")
     seen: set[str] = set()
     for i, f in enumerate(manifest.files):
-        check_relative_path(f.path, where=f"{where}: files[{i}].path")
+        check_entry(f, f"{where}: files[{i}]")
         if f.path in seen:
             raise CorruptSnapshotError(f"{where}: files[{i}].path {f.path!r} is listed twice")
         seen.add(f.path)
+    if any(f.object is not None for f in manifest.files) and SHARED_OBJECTS not in manifest.required_features:
+        raise CorruptSnapshotError(
+            f"{where}: names shared objects but does not list {SHARED_OBJECTS!r} in required_features")
     return manifest
+
+
+def check_entry(f: FileEntry, where: str) -> None:
+    """One file entry's own rules: a safe path; an entry naming a shared object has that object's
+    name as its checksum; a row range only on a row part naming an object, with ``start <= stop``
+    and ``records == stop - start`` (SPEC §10.1, §14.2)."""
+    check_relative_path(f.path, where=f"{where}.path")
+    if f.object is not None and f.checksum != f.object:
+        raise CorruptSnapshotError(f"{where}: checksum {f.checksum} differs from the object it names ({f.object})")
+    if f.row_range is not None:
+        start, stop = f.row_range
+        if f.object is None or storage_of(f.kind) != "rows":
+            raise CorruptSnapshotError(f"{where}: a row_range needs a row part that names a shared object")
+        if start > stop or f.records != stop - start:
+            raise CorruptSnapshotError(
+                f"{where}: row_range [{start}, {stop}) with {f.records} records (expected start <= stop and "
+                f"records == stop - start)")
 
 
 def resolve_kind(part: str) -> str:
@@ -99,9 +119,15 @@ class Snapshot:
         return self.files(resolve_kind(part))
 
     def key(self, entry: FileEntry) -> str:
+        """Where the file's bytes are: the shared object it names, else its path in the snapshot folder."""
+        if entry.object is not None:
+            return layout.object_key(entry.object)
         return layout.file_key(self.manifest.snapshot_id, entry.path)
 
     def where(self, entry: FileEntry) -> str:
+        """The file as a user finds it: its location, and for a shared object which file it is."""
+        if entry.object is not None:
+            return f"{self.store.display(self.key(entry))} ({entry.path} of {self.manifest.snapshot_id})"
         return self.store.display(self.key(entry))
 
     def check_present(self, entry: FileEntry) -> None:
@@ -141,19 +167,54 @@ class Snapshot:
             buffer = buf.read_buffer()
         else:
             buffer = pa.py_buffer(self.read_bytes(entry, verify=False))
+        # A row range's rows must exist: the file holds at least up to its stop (SPEC §14.2).
+        ranged = entry.row_range is not None
         return open_buffer(buffer, entry.kind, where, entry.size, entry.checksum if verify else None,
-                           batches=entry.batches, records=entry.records)
+                           batches=entry.batches, records=entry.row_range[1] if ranged else entry.records,
+                           rows_at_least=ranged)
+
+    def read_rows(self, entry: FileEntry, verify: bool = True) -> pa.Table:
+        """The rows of one row part this snapshot holds, as one zero-copy table: every row of the
+        file, or the entry's ``row_range`` of them."""
+        reader = self.open_rows(entry, verify)
+        try:
+            table = reader.read_all()
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptSnapshotError(f"{self.where(entry)}: unreadable: {exc}") from None
+        if entry.row_range is None:
+            return table
+        start, stop = entry.row_range
+        if stop > table.num_rows:
+            raise CorruptSnapshotError(
+                f"{self.where(entry)}: row_range [{start}, {stop}) exceeds the file's {table.num_rows} rows")
+        return table.slice(start, stop - start)
+
+    def iter_batches(self, entry: FileEntry, verify: bool = True) -> Iterator[pa.RecordBatch]:
+        """The record batches of the rows this snapshot holds of one row part, in order: every batch
+        of the file, or the entry's ``row_range`` cut out of them (zero-copy slices). For a reader
+        that streams a part batch by batch (``cat``, ``export``); :meth:`open_rows` is the whole file."""
+        reader = self.open_rows(entry, verify)
+        start, stop = entry.row_range if entry.row_range is not None else (0, entry.records)
+        at = 0
+        for i in range(reader.num_record_batches):
+            if at >= stop:
+                return
+            try:
+                batch = reader.get_batch(i)
+            except (pa.ArrowException, OSError) as exc:
+                raise CorruptSnapshotError(f"{self.where(entry)}: record batch {i} is unreadable: {exc}") from None
+            low, high = max(start - at, 0), min(stop - at, batch.num_rows)
+            at += batch.num_rows
+            if high <= low:
+                continue
+            yield batch if (low, high) == (0, batch.num_rows) else batch.slice(low, high - low)
+        if at < stop:
+            raise CorruptSnapshotError(f"{self.where(entry)}: has {at} rows, the manifest needs {stop}")
 
     def read_table(self, part: str, verify: bool = True) -> pa.Table:
         """Every row of a row kind (all files, in manifest order) as one zero-copy table."""
-        tables = []
         entries = self.select(part)
-        for entry in entries:
-            reader = self.open_rows(entry, verify)
-            try:
-                tables.append(reader.read_all())
-            except (pa.ArrowException, OSError) as exc:
-                raise CorruptSnapshotError(f"{self.where(entry)}: unreadable: {exc}") from None
+        tables = [self.read_rows(entry, verify) for entry in entries]
         if not tables:
             raise NotPublishedError(f"{self.url}: has no {part!r} part")
         if len(tables) == 1:

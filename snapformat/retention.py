@@ -1,10 +1,25 @@
-"""Retention (keep the latest k) and garbage collection of drafts left by crashed writers.
+"""Retention (keep the latest k) and garbage collection: drafts left by crashed writers, and shared
+objects no snapshot references (mark and sweep, SPEC §14.2; :mod:`snapformat.object_gc`).
 
-Deleting a published snapshot removes its commit record *first*, so from that instant it is no
-longer listed; a crash before its folder is gone leaves an uncommitted folder, which the draft
-sweep removes later. The newest snapshot is never deleted. Drafts (folders no commit names) are
-swept only when nothing in them has changed for ``min_age_s``: a live writer's draft is younger
-(writers that pause for long call ``SnapshotDraft.touch``).
+Retention deletes published snapshots *oldest sequence first*, and each snapshot's commit record
+*before* its folder:
+
+1. Delete the commit record of the oldest sequence beyond the newest ``keep_latest``. *Crash: that
+   snapshot is no longer listed; its folder is an uncommitted folder, which the draft sweep removes
+   once it is ``min_age_s`` old. Every commit left is newer than every commit deleted, so no gap
+   opens between a commit left and the newest, and discovery (hint, then a forward probe) still
+   finds the newest: a stale hint names either a deleted commit (discovery falls back to the
+   listing) or one from which the probe walks to the newest without a gap. Newest-first deletion
+   broke this: with the hint at 2 and 4 committed, deleting 3 before 2 left 2, whose forward probe
+   stops at the missing 3.*
+2. Delete that snapshot's folder (never an object directly: an object goes only when no manifest
+   names it, in the object sweep). *Crash: as 1.*
+3. Next oldest. The newest snapshot is never deleted.
+
+Drafts (folders no commit names) are swept only when nothing in them has changed for
+``min_age_s``: a live writer's draft is younger (writers that pause for long call
+``SnapshotDraft.touch``). :func:`gc` runs retention, the draft sweep, the upload sweep, then the
+object sweep, and reports what each did.
 """
 
 from __future__ import annotations
@@ -16,7 +31,9 @@ import msgspec
 
 from schemas.errors import InvalidRecordError, SnapshotError
 from snapformat import discovery, layout
+from snapformat.object_gc import ObjectsKept, sweep_objects
 from snapformat.store import Store
+from snapformat.store.counting import CountingStore
 
 log = logging.getLogger("snapformat.retention")
 
@@ -24,11 +41,20 @@ DEFAULT_DRAFT_MIN_AGE_S = 6 * 3600.0
 
 
 class GcReport(msgspec.Struct, frozen=True):
-    deleted_snapshots: list[str]
-    swept_drafts: list[str]
-    swept_temp_files: list[str]
-    kept: list[int]
+    """What :func:`gc` deleted, and what it kept and why."""
+
+    deleted_snapshots: list[str]  # ids of the published snapshots retention deleted, oldest first
+    swept_drafts: list[str]  # uncommitted folders idle for the draft min age
+    swept_temp_files: list[str]  # stale temporary files (store root, ``_commits/``, ``objects/<2>/``)
+    kept: list[int]  # the sequences still committed, newest first
     aborted_uploads: list[str] = []  # incomplete multipart uploads of crashed writers (object stores)
+    swept_objects: list[str] = []  # shared objects no snapshot or draft names, older than the grace period
+    swept_object_bytes: int = 0
+    kept_objects: ObjectsKept = msgspec.field(default_factory=ObjectsKept)  # counts, by why each was kept
+    objects_not_swept: str | None = None  # why no object was swept at all (e.g. a manifest cannot be read)
+    grace_s: float | None = None  # the grace period the object sweep used
+    #: Store calls by method, and ``walked``: objects the walks listed (an object store lists 1000 a request).
+    store_calls: dict[str, int] = {}
 
 
 def apply_retention(store: Store, keep_latest: int) -> list[str]:
@@ -36,7 +62,8 @@ def apply_retention(store: Store, keep_latest: int) -> list[str]:
     if keep_latest < 1:
         raise InvalidRecordError(f"keep_latest: {keep_latest} (expected >= 1; the newest is always kept)")
     deleted = []
-    for seq in discovery.committed_sequences(store)[keep_latest:]:
+    # Oldest first (module docstring): however far this loop gets, no gap opens below the newest.
+    for seq in sorted(discovery.committed_sequences(store)[keep_latest:]):
         try:
             snapshot_id = discovery.read_commit(store, seq).snapshot_id
         except SnapshotError as exc:
@@ -120,9 +147,31 @@ def sweep_uploads(store: Store, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S,
     return store.abort_uploads(layout.SNAPSHOTS, now - min_age_s, keep)
 
 
-def gc(store: Store, keep_latest: int | None = None, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S) -> GcReport:
-    """Retention (when ``keep_latest`` is given), then the draft sweep, then stale uploads."""
-    deleted = apply_retention(store, keep_latest) if keep_latest is not None else []
-    swept, temps = sweep_drafts(store, min_age_s)
-    uploads = sweep_uploads(store, min_age_s)
-    return GcReport(deleted, swept, temps, discovery.committed_sequences(store), uploads)
+def gc(store: Store, keep_latest: int | None = None, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S,
+       grace_s: float | None = None, now: float | None = None) -> GcReport:
+    """Retention (when ``keep_latest`` is given), the draft sweep, stale uploads, then the mark and
+    sweep of shared objects (:mod:`snapformat.object_gc`), in that order: what retention and the draft
+    sweep delete stops marking its objects in the same run.
+
+    ``grace_s`` (default ``min_age_s``) is how old an unreferenced object must be to be swept. It
+    MUST be at least ``min_age_s``: a draft younger than ``min_age_s`` is taken for a live writer's,
+    and the objects that writer wrote but has not listed yet must outlive it. ``now`` (Unix
+    seconds) replaces the clock, for tests.
+    """
+    grace = min_age_s if grace_s is None else grace_s
+    if grace < min_age_s:
+        raise InvalidRecordError(
+            f"grace_s: {grace_s} s is shorter than min_age_s {min_age_s} s (expected grace_s >= min_age_s: "
+            f"objects a live draft wrote must outlive the draft)")
+    if keep_latest is not None and keep_latest < 1:
+        raise InvalidRecordError(f"keep_latest: {keep_latest} (expected >= 1; the newest is always kept)")
+    counted = CountingStore(store)
+    deleted = apply_retention(counted, keep_latest) if keep_latest is not None else []
+    swept, temps = sweep_drafts(counted, min_age_s, now)
+    uploads = sweep_uploads(counted, min_age_s, now)
+    objects = sweep_objects(counted, grace, now)
+    kept = discovery.committed_sequences(counted)
+    return GcReport(deleted, swept, temps + objects.swept_temp_files, kept, uploads,
+                    swept_objects=objects.swept, swept_object_bytes=objects.swept_bytes, kept_objects=objects.kept,
+                    objects_not_swept=objects.not_swept, grace_s=grace,
+                    store_calls=dict(sorted({**counted.calls, "walked": counted.walked}.items())))

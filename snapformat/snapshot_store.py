@@ -89,8 +89,11 @@ class SnapshotStore:
         check_topology(snap, fingerprint)
         return snap
 
-    def gc(self, keep_latest: int | None = None, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S) -> GcReport:
-        return gc(self.store, keep_latest, min_age_s)
+    def gc(self, keep_latest: int | None = None, min_age_s: float = DEFAULT_DRAFT_MIN_AGE_S,
+           grace_s: float | None = None) -> GcReport:
+        """Retention, the draft sweep, then the mark and sweep of shared objects: see
+        :func:`snapformat.retention.gc` (``grace_s`` defaults to ``min_age_s`` and may not be shorter)."""
+        return gc(self.store, keep_latest, min_age_s, grace_s)
 
 
 def check_topology(snap: Snapshot, fingerprint: str) -> None:

@@ -32,10 +32,10 @@ def batch_entries(batch: pa.RecordBatch, where: str) -> list[dict[str, Any]]:
     return [row_to_entry(row, f"{where}: row {i}") for i, row in enumerate(batch.to_pylist())]
 
 
-def iter_entries(reader: pa.ipc.RecordBatchFileReader, where: str) -> Iterator[dict[str, Any]]:
-    """The TokenEntry JSON of every row of an opened token-capture file, batch by batch."""
-    for b in range(reader.num_record_batches):
-        yield from batch_entries(reader.get_batch(b), f"{where}: batch {b}")
+def iter_entries(batches: Iterable[pa.RecordBatch], where: str) -> Iterator[dict[str, Any]]:
+    """The TokenEntry JSON of every row of a token-capture part's batches (``Snapshot.iter_batches``)."""
+    for b, batch in enumerate(batches):
+        yield from batch_entries(batch, f"{where}: batch {b}")
 
 
 def check_digests(batch: pa.RecordBatch, where: str) -> int:

@@ -5,6 +5,11 @@ batch and row counts, Gym's digest of every token-capture row whose prompt is wh
 line decoded; line counts; Gym's own files: their record counts). Across files: every token-index
 entry names a token-capture part of this snapshot, a batch and a row range inside it, and those
 rows belong to that model call. Problems are collected, not raised, so one run names them all.
+
+A shared object (SPEC §14.2) is checked like any file, and its name too: bytes that do not hash to
+the name are a damaged object, never trusted because of the name. :func:`verify_store` checks every
+snapshot of a store and hashes (and parses) each object once, however many snapshots name it; a
+damaged or missing object is reported once with every snapshot and file that names it.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ from collections.abc import Callable
 import msgspec
 import pyarrow as pa
 
-from schemas.errors import CorruptSnapshotError, SnapshotError
+from schemas.errors import CorruptSnapshotError, NotPublishedError, SnapshotError
 from schemas.manifest import FileEntry
 from schemas.rows import file_version, upgrade, validate_batch
+from snapformat import discovery, layout
 from snapformat.checksum import check, checksum_stream
 from snapformat.gym_dir import count_records
 from snapformat.kinds import RECORD_TYPES, storage_of
-from snapformat.reader import Snapshot
+from snapformat.objects import ALGORITHM as OBJECT_ALGORITHM
+from snapformat.reader import Snapshot, load_manifest
+from snapformat.store import Store
 from snapformat.token_rows import check_digests
 
 
@@ -42,7 +50,61 @@ class VerifyReport(msgspec.Struct, frozen=True):
         return not self.problems
 
 
-def _check_bytes(snap: Snapshot, entry: FileEntry, progress: Callable[[int], None] | None) -> None:
+class ObjectState(msgspec.Struct, frozen=True):
+    """What hashing one shared object found: its size, and what is wrong with it (None: its bytes
+    hash to its name)."""
+
+    size: int | None  # None: missing
+    problem: str | None
+
+
+class ObjectChecks:
+    """Shared objects already checked in this run, so that each is hashed (and a row object's rows
+    parsed) once: filled by :func:`verify_store`, or as :func:`verify_snapshot` goes."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, ObjectState] = {}
+        #: (object, kind) -> (rows, record batches) of a row object whose rows passed every check
+        self.rows: dict[tuple[str, str], tuple[int, int]] = {}
+
+
+def hash_object(store: Store, name: str, size: int, progress: Callable[[int], None] | None = None) -> ObjectState:
+    """Hash the object ``name`` (``sha256:<hex>``), which its entries say holds ``size`` bytes, and
+    say what is wrong with it: missing, unreadable, or bytes that do not hash to its name (shorter or
+    longer than ``size``: truncated or grown; else damaged)."""
+    key = layout.object_key(name)
+    try:
+        held = store.info(key).size
+        with store.open_read(key) as fh:
+            actual = checksum_stream(fh, f"{OBJECT_ALGORITHM}:", progress)
+    except FileNotFoundError:
+        return ObjectState(None, "missing")
+    except SnapshotError as exc:
+        return ObjectState(None, f"cannot be read ({exc})")
+    if actual == name:
+        return ObjectState(held, None)
+    what = "truncated" if held < size else "grown" if held > size else "damaged"
+    return ObjectState(held, f"{what}: its {held} bytes (the manifest says {size}) hash to {actual}, not to its name")
+
+
+def _check_object(snap: Snapshot, entry: FileEntry, progress: Callable[[int], None] | None,
+                  objects: ObjectChecks) -> None:
+    """An object entry's bytes: hashed once per run (``objects`` remembers), then its size checked."""
+    name = entry.object or ""
+    state = objects.states.get(name)
+    if state is None:
+        state = objects.states[name] = hash_object(snap.store, name, entry.size, progress)
+    if state.problem is not None:
+        raise CorruptSnapshotError(f"{snap.where(entry)}: {state.problem}")
+    if state.size != entry.size:
+        raise CorruptSnapshotError(f"{snap.where(entry)}: size is {state.size} bytes, the manifest says {entry.size}")
+
+
+def _check_bytes(snap: Snapshot, entry: FileEntry, progress: Callable[[int], None] | None,
+                 objects: ObjectChecks) -> None:
+    if entry.object is not None:
+        _check_object(snap, entry, progress, objects)
+        return
     where = snap.where(entry)
     snap.check_present(entry)
     with snap.store.open_read(snap.key(entry)) as fh:
@@ -50,9 +112,31 @@ def _check_bytes(snap: Snapshot, entry: FileEntry, progress: Callable[[int], Non
     check(where, actual, entry.checksum)
 
 
-def _check_rows(snap: Snapshot, entry: FileEntry, rows_of_calls: dict[str, pa.ipc.RecordBatchFileReader]) -> None:
+def _check_rows(snap: Snapshot, entry: FileEntry, rows_of_calls: dict[str, pa.ipc.RecordBatchFileReader],
+                objects: ObjectChecks) -> None:
     where = snap.where(entry)
+    cached = (entry.object, entry.kind) if entry.object is not None else None
+    known = objects.rows.get(cached) if cached is not None else None
+    if known is not None and entry.kind != "token_capture_rows":  # an object whose rows passed: not read again
+        total, batches = known
+        if entry.batches is not None and batches != entry.batches:
+            raise CorruptSnapshotError(f"{where}: has {batches} record batches, the manifest says {entry.batches}")
+        _check_row_count(entry, total, where)
+        return
     reader = snap.open_rows(entry, verify=False)  # bytes were just checked
+    if known is None:
+        total = _validate_rows(entry, reader, where)
+        if cached is not None:
+            objects.rows[cached] = (total, reader.num_record_batches)
+    else:
+        total = known[0]
+    _check_row_count(entry, total, where)
+    if entry.kind == "token_capture_rows":
+        rows_of_calls[entry.path] = reader
+
+
+def _validate_rows(entry: FileEntry, reader: pa.ipc.RecordBatchFileReader, where: str) -> int:
+    """Every batch of a row file valid and following the kind's rules; returns the rows counted."""
     # Gym's digest is the rule from token-row file version 2 on; version 1 files held this
     # project's own earlier hash in that column, which no reader can check against Gym's.
     gym_digests = entry.kind == "token_capture_rows" and file_version(entry.kind, reader.schema, where) >= 2
@@ -68,10 +152,16 @@ def _check_rows(snap: Snapshot, entry: FileEntry, rows_of_calls: dict[str, pa.ip
         if gym_digests:
             check_digests(batch, f"{where}: batch {i}")
         total += batch.num_rows
-    if total != entry.records:
+    return total
+
+
+def _check_row_count(entry: FileEntry, total: int, where: str) -> None:
+    if entry.row_range is not None:  # a shared object of which this snapshot holds some rows
+        if total < entry.row_range[1]:
+            raise CorruptSnapshotError(f"{where}: has {total} rows, the manifest's row_range "
+                                       f"[{entry.row_range[0]}, {entry.row_range[1]}) needs at least {entry.row_range[1]}")
+    elif total != entry.records:
         raise CorruptSnapshotError(f"{where}: has {total} rows, the manifest says {entry.records}")
-    if entry.kind == "token_capture_rows":
-        rows_of_calls[entry.path] = reader
 
 
 def _check_records(snap: Snapshot, entry: FileEntry, token_index: list) -> None:
@@ -137,19 +227,25 @@ def _check_token_index(snap: Snapshot, token_index: list, readers: dict, problem
                                             f"{n} entries point into {target!r}, which failed verification"))
 
 
-def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Check every file of ``snap``; ``progress(n)`` is called with each n bytes hashed."""
+def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = None,
+                    objects: ObjectChecks | None = None) -> VerifyReport:
+    """Check every file of ``snap``; ``progress(n)`` is called with each n bytes hashed.
+
+    ``objects`` holds the shared objects already checked in this run (:func:`verify_store`): they
+    are not hashed again. An object named by several entries is hashed once either way.
+    """
+    objects = ObjectChecks() if objects is None else objects
     problems: list[Problem] = []
     readers: dict[str, pa.ipc.RecordBatchFileReader] = {}
     token_index: list = []
     checked_bytes = 0
     for entry in snap.manifest.files:
         try:
-            _check_bytes(snap, entry, progress)
+            _check_bytes(snap, entry, progress, objects)
             checked_bytes += entry.size
             storage = storage_of(entry.kind)
             if storage == "rows":
-                _check_rows(snap, entry, readers)
+                _check_rows(snap, entry, readers, objects)
             elif storage in ("jsonl", "json") and entry.kind in RECORD_TYPES:
                 _check_records(snap, entry, token_index)
             elif storage == "gym":
@@ -160,4 +256,90 @@ def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = Non
     return VerifyReport(snap.url, snap.sequence, len(snap.manifest.files), checked_bytes, problems)
 
 
-__all__ = ["Problem", "VerifyReport", "verify_snapshot"]
+class ObjectReference(msgspec.Struct, frozen=True):
+    """One file of one snapshot that names a shared object."""
+
+    snapshot: str  # the snapshot's location
+    sequence: int
+    file: str  # the entry's path in that snapshot
+
+
+class ObjectProblem(msgspec.Struct, frozen=True):
+    """A shared object that is missing, damaged or unreadable, with every file that names it."""
+
+    object: str  # sha256:<hex>
+    location: str  # where it is (or should be) in the store
+    message: str
+    referenced_by: list[ObjectReference]
+
+
+class StoreVerifyReport(msgspec.Struct, frozen=True):
+    """:func:`verify_store`'s findings: each snapshot's report, and each bad object once."""
+
+    store: str
+    snapshots: list[VerifyReport]  # newest first
+    objects_checked: int
+    object_bytes_checked: int
+    object_problems: list[ObjectProblem]
+    problems: list[Problem]  # commits or manifests that cannot be read (``file`` names the commit record)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.object_problems and all(r.ok for r in self.snapshots)
+
+
+def verify_store(store: Store, progress: Callable[[int], None] | None = None,
+                 opened: tuple[list[Snapshot], list[Problem]] | None = None) -> StoreVerifyReport:
+    """Check every published snapshot of ``store``, hashing each shared object once, and name every
+    snapshot and file that references a bad object. ``opened`` is what :func:`open_all` returned,
+    when the caller opened the snapshots already (to size a progress bar).
+
+    ``progress(n)`` is called with each n bytes hashed. A commit record or manifest that cannot be
+    read is a problem of its own (the snapshot is skipped); a bad object is reported once in
+    ``object_problems`` and in the report of each snapshot that names it.
+    """
+    snapshots, problems = open_all(store) if opened is None else opened
+    users: dict[str, list[ObjectReference]] = {}
+    sizes: dict[str, int] = {}
+    for snap in snapshots:
+        for f in snap.manifest.files:
+            if f.object is not None:
+                users.setdefault(f.object, []).append(ObjectReference(snap.url, snap.sequence, f.path))
+                sizes.setdefault(f.object, f.size)
+    objects = ObjectChecks()
+    for name in users:  # each once, before any snapshot is checked
+        objects.states[name] = hash_object(store, name, sizes[name], progress)
+    reports = [verify_snapshot(snap, progress, objects) for snap in snapshots]
+    object_problems = [
+        ObjectProblem(name, store.display(layout.object_key(name)), state.problem, users[name])
+        for name, state in objects.states.items() if state.problem is not None
+    ]
+    object_bytes = sum(s.size or 0 for s in objects.states.values())
+    return StoreVerifyReport(store.url, reports, len(objects.states), object_bytes, object_problems, problems)
+
+
+def open_all(store: Store) -> tuple[list[Snapshot], list[Problem]]:
+    """Every published snapshot of ``store``, newest first, and a problem for each whose commit
+    record or manifest cannot be read."""
+    snapshots: list[Snapshot] = []
+    problems: list[Problem] = []
+    for seq in discovery.committed_sequences(store):
+        where = store.display(layout.commit_key(seq))
+        try:
+            commit = discovery.read_commit(store, seq)
+            snapshots.append(Snapshot(store, commit, load_manifest(store, commit)))
+        except NotPublishedError:
+            continue  # deleted since the listing (retention)
+        except SnapshotError as exc:
+            problems.append(Problem(where, str(exc)))
+    return snapshots, problems
+
+
+def describe(problem: ObjectProblem) -> str:
+    """One line naming a bad object and every snapshot and file that references it."""
+    names = "; ".join(f"{r.snapshot} (sequence {r.sequence}) as {r.file}" for r in problem.referenced_by)
+    return f"{problem.location}: {problem.message}; referenced by {names}"
+
+
+__all__ = ["ObjectChecks", "ObjectProblem", "ObjectReference", "ObjectState", "Problem", "StoreVerifyReport",
+           "VerifyReport", "describe", "hash_object", "open_all", "verify_snapshot", "verify_store"]

@@ -1,28 +1,34 @@
-"""Write the golden example store ``spec/examples/store-v1.2/`` with the reference writer.
+"""Write the golden example store ``spec/examples/store-v1.3/`` with the reference writer.
 
-    python spec/generate_examples.py            # (re)write spec/examples/store-v1.2
+    python spec/generate_examples.py            # (re)write spec/examples/store-v1.3
     python spec/generate_examples.py OUT_DIR    # write the same store elsewhere
 
-The store holds two published snapshots, each written by ``snapformat.example.write_example``
-(``count=12``, seeds 7 and 8) and published with the receipts, Gym's commit result (each Gym
-server's commit reply verbatim) and the example topology fingerprint (NeMo-RL's). Its Gym parts
-are Gym's own files, written into ``checkpoint_dir`` (the draft's ``gym/`` folder) as Gym's
-servers write them and adopted as parts of kind ``gym_file`` (SPEC §12.11, CONTROL.md §9). The
-second snapshot has two more parts: ``bulk/``, whose JSON-lines file is large enough (more than
-256 KiB of content) to be stored zstd-compressed as ``bulk/replay_index.jsonl.zst``, so the golden
-store covers both JSON-lines encodings; and ``nemo-rl/``, NeMo-RL's token-capture staging rows as
-a data plane holds them, written as ``dataplane_rows`` (so that snapshot requires the format 1.1
+The store holds two published snapshots, each written by
+``snapformat.example.write_incremental_example`` (``count=12``, seeds 7 and 8; the second's
+rollouts numbered on from the first's, and its data plane's oldest training row consumed) and
+published with the receipts, Gym's commit result (each Gym server's commit reply verbatim) and the
+example topology fingerprint (NeMo-RL's). The data plane's rows are segments, shared objects under
+``objects/`` (format 1.3, feature ``shared_objects``, SPEC §12.12, §14.2): the first snapshot
+writes one training and one token-capture segment; the second lists the first's token-capture
+segment again whole, its training segment again narrowed by ``row_range`` to the rows still held,
+and writes one new segment of each kind. Its Gym parts are Gym's own files, written into
+``checkpoint_dir`` (the draft's ``gym/`` folder) as Gym's servers write them and adopted as parts
+of kind ``gym_file`` (SPEC §12.11, CONTROL.md §9). The second snapshot has two more parts, whole
+files in its folder: ``bulk/``, whose JSON-lines file is large enough (more than 256 KiB of
+content) to be stored zstd-compressed as ``bulk/replay_index.jsonl.zst``, so the golden store
+covers both JSON-lines encodings; and ``nemo-rl/``, NeMo-RL's token-capture staging rows as a data
+plane holds them, written as ``dataplane_rows`` (so that snapshot also requires the format 1.1
 feature ``dataplane_rows``).
 
-``spec/examples/store-v1/`` and ``store-v1.1/`` are the stores format 1.0 and 1.1 writers
-produced (Gym parts of this project's own kinds, SPEC §12.3 to §12.7); they are kept as they are,
-and every reader must keep reading them.
+``spec/examples/store-v1/``, ``store-v1.1/`` and ``store-v1.2/`` are the stores format 1.0, 1.1
+and 1.2 writers produced; they are kept as they are, and every reader must keep reading them. The
+1.2 store's data files are what ``write_example`` (incremental saves off) still writes.
 
-Every data file is a pure function of the seeds: only ``manifest.json``, ``part-manifest.json``,
-the commit records and ``_latest.json`` carry times and random snapshot ids.
-``tests/spec/test_golden.py`` regenerates the store into a temporary folder and compares the
-checksums of the data files with the committed ones, so an accidental change of the bytes the
-writer produces fails a test. Change the golden store only with a format version change.
+Every data file and object is a pure function of the seeds: only ``manifest.json``,
+``part-manifest.json``, the commit records and ``_latest.json`` carry times and random snapshot
+ids. ``tests/spec/test_golden.py`` regenerates the store into a temporary folder and compares the
+checksums of the data files and objects with the committed ones, so an accidental change of the
+bytes the writer produces fails a test. Change the golden store only with a format version change.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from snapformat import SnapshotStore, example
 from snapformat.publish import Published
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "examples" / "store-v1.2"
+DEFAULT_OUT = HERE / "examples" / "store-v1.3"
 
 COUNT = 12
 SEEDS = (7, 8)
+#: Training rows of the first snapshot the data plane has consumed by the second.
+CONSUMED = 1
 BULK_PREFIX = "bulk"
 STAGING_PREFIX = "nemo-rl"
 BULK_RECORDS = 2400  # ~330 KB of JSON lines: past the 256 KiB zstd threshold, a few KB stored
@@ -94,7 +102,8 @@ def write_store(root: str | Path) -> list[Published]:
     published = []
     for n, seed in enumerate(SEEDS):
         draft = store.begin()
-        gym, receipts = example.write_example(draft, count=COUNT, seed=seed)
+        gym, receipts = example.write_incremental_example(draft, count=COUNT, seed=seed, first=n * COUNT,
+                                                          consumed=CONSUMED if n else 0)
         if n == len(SEEDS) - 1:
             bulk = draft.part(BULK_PREFIX, writer="example:bulk")
             entry = bulk.write_records("replay_index", "replay_index", bulk_replay_index())

@@ -10,7 +10,8 @@ A generated block sits between two HTML comments and is replaced whole::
 Block names in SPEC.md: ``record:<Struct>`` (field table from ``msgspec.inspect`` plus a JSON
 example built from the struct, so it always decodes), ``columns:<row kind>`` (from the Arrow
 schemas and ``COLUMN_DESCRIPTIONS`` of ``schemas/rows.py``), ``kinds`` (every ``FileKind``),
-``constants`` and ``vectors`` (values computed by the code). Block names in CONTROL.md (Gym's
+``constants`` and ``vectors`` (values computed by the code), ``example:object_entry`` (a file entry
+naming a shared object with a row range, read from the golden store ``spec/examples/store-v1.3``). Block names in CONTROL.md (Gym's
 checkpoint control protocol): ``message:<Struct>`` (the same as ``record:``, for every struct of
 ``schemas/control.py`` and ``schemas/gym_files.py``) and ``control:<what>`` (the routes of each
 component, phases, error codes, constants and the topology fingerprint vector).
@@ -127,6 +128,7 @@ from schemas.topology import canonical_json, manifest_fingerprint, topology_fing
 from snapformat import jsonl, layout, reader, retention
 from snapformat.checksum import checksum_bytes
 from snapformat.kinds import GYM_KINDS, RECORD_TYPES, storage_of
+from snapformat.objects import object_name
 
 SPEC_DIR = Path(__file__).resolve().parent
 _BLOCK_RE = re.compile(
@@ -277,10 +279,10 @@ def record_examples() -> dict[str, Any]:
                            writer="controller")
     return {
         "StoreMarker": StoreMarker(),
-        "CommitRecord": CommitRecord(format_version="1.0", sequence=2, snapshot_id=sid, manifest_size=5209,
+        "CommitRecord": CommitRecord(format_version=version.FORMAT_VERSION, sequence=2, snapshot_id=sid, manifest_size=5209,
                                      manifest_checksum=_ck("manifest"), committed_at=1796000123.25),
         "LatestHint": LatestHint(sequence=2, snapshot_id=sid),
-        "Manifest": Manifest(format_version="1.0", snapshot_id=sid, sequence=2, created_at=1796000120.5,
+        "Manifest": Manifest(format_version=version.FORMAT_VERSION, snapshot_id=sid, sequence=2, created_at=1796000120.5,
                              committed_at=1796000123.25, files=files, gym_commit=gym,
                              topology_fingerprint=manifest_fingerprint(topology_fingerprint(topology_contracts())),
                              parent=ParentRef(snapshot_id="snap-0000000001-0b3d2e11", sequence=1),
@@ -289,7 +291,7 @@ def record_examples() -> dict[str, Any]:
         "ParentRef": ParentRef(snapshot_id="snap-0000000001-0b3d2e11", sequence=1),
         "GymCommit": gym,
         "ParticipantCommit": gym.participants[0],
-        "PartManifest": PartManifest(format_version="1.0", snapshot_id=sid, prefix=prefix,
+        "PartManifest": PartManifest(format_version=version.FORMAT_VERSION, snapshot_id=sid, prefix=prefix,
                                      writer=writer, files=files[:3], written_at=1796000122.0),
         "PartReceipt": PartReceipt(prefix=prefix, writer=writer, part_manifest_checksum=_ck("part")),
         "AgentContinuationRoot": AgentContinuationRoot(
@@ -717,7 +719,8 @@ def constants_block() -> str:
         ("format version written", f"`{version.FORMAT_VERSION}`", "`schemas/version.py` `FORMAT_VERSION`"),
         ("highest record `schema_version` read", str(version.RECORD_SCHEMA_VERSION), "`RECORD_SCHEMA_VERSION`"),
         ("features known to this version", ", ".join(sorted(version.KNOWN_FEATURES)) or "none", "`KNOWN_FEATURES`"),
-        ("features reserved", ", ".join(f"`{f}`" for f in sorted(version.RESERVED_FEATURES)), "`RESERVED_FEATURES`"),
+        ("features reserved", ", ".join(f"`{f}`" for f in sorted(version.RESERVED_FEATURES)) or "none",
+         "`RESERVED_FEATURES`"),
         ("JSON-lines zstd threshold", f"{jsonl.ZSTD_THRESHOLD:,} bytes of content (256 KiB)", "`ZSTD_THRESHOLD`"),
         ("zstd level used by the reference writer", str(jsonl.ZSTD_LEVEL), "`ZSTD_LEVEL`"),
         ("largest zstd window a reader decodes with",
@@ -738,6 +741,25 @@ def constants_block() -> str:
     return "\n".join(out)
 
 
+#: The golden store the example of an entry naming a shared object is read from, and that entry.
+OBJECT_ENTRY_STORE = SPEC_DIR / "examples" / "store-v1.3"
+OBJECT_ENTRY = (2, "tq/training-000000.arrow")
+
+
+def object_entry_block() -> str:
+    """A file entry naming a shared object with a row range, as the golden store holds it."""
+    from snapformat import SnapshotStore
+
+    sequence, path = OBJECT_ENTRY
+    snap = SnapshotStore(str(OBJECT_ENTRY_STORE)).open(sequence)
+    (entry,) = [f for f in snap.manifest.files if f.path == path]
+    if entry.object is None or entry.row_range is None:
+        raise SystemExit(f"render_spec_schemas: {OBJECT_ENTRY_STORE} sequence {sequence}: {path} names no object "
+                         f"with a row range")
+    text = msgspec.json.format(msgspec.json.encode(entry), indent=2).decode()
+    return f"```json\n{text}\n```"
+
+
 def vectors_block() -> str:
     from schemas.token_entry import token_digest
 
@@ -755,6 +777,8 @@ def vectors_block() -> str:
         ("checksum of the empty file", f"`{checksum_bytes(b'')}`"),
         ("checksum of the 11 bytes `snapformat\\n`", f"`{checksum_bytes(b'snapformat' + bytes([10]))}`"),
         ("`sha256` checksum of the same 11 bytes", f"`{checksum_bytes(b'snapformat' + bytes([10]), 'sha256')}`"),
+        ("key of the shared object holding those 11 bytes (its name is that `sha256` checksum)",
+         f"`{layout.object_key(object_name(b'snapformat' + bytes([10])))}`"),
         ("topology fingerprint of the three-server topology of CONTROL §5, as a manifest keeps it",
          f"`{manifest_fingerprint(hex_digest)}`"),
     ]
@@ -934,6 +958,7 @@ def spec_blocks() -> dict[str, str]:
     out["kinds"] = kinds_block()
     out["constants"] = constants_block()
     out["vectors"] = vectors_block()
+    out["example:object_entry"] = object_entry_block()
     return out
 
 

@@ -6,7 +6,8 @@
 - :mod:`.outcomes`: :class:`SaveOutcome` and :class:`RestoreOutcome`, and the reports they carry;
 - :mod:`.save`, :mod:`.restore`: the steps, each a named boundary (:mod:`coordinator.faults`);
 - :mod:`.cut`: RL's in-memory cut, kept apart from the writing of its bytes;
-- :mod:`.writer`: the background writer; :mod:`.history`: finished attempts and the failure rule.
+- :mod:`.writer`: the background writer; :mod:`.history`: finished attempts and the failure rule,
+  and the segments of the newest snapshot, which an incremental save lists again.
 """
 
 from coordinator.checkpoint.checkpointer import Checkpointer

@@ -17,7 +17,7 @@ from functools import partial
 
 from coordinator.checkpoint import restore as restore_steps
 from coordinator.checkpoint import save as save_steps
-from coordinator.checkpoint.history import SaveHistory
+from coordinator.checkpoint.history import ParentSegments, SaveHistory
 from coordinator.checkpoint.outcomes import RestoreOutcome, SaveOutcome, SaveReport
 from coordinator.checkpoint.seams import RecordsSource, Seams
 from coordinator.checkpoint.writer import BackgroundWriter
@@ -26,10 +26,15 @@ from gymkit.gym_fleet import Topology
 
 
 class Checkpointer:
-    """Saves and restores one run's state through ``seams``; one background write in flight at a time."""
+    """Saves and restores one run's state through ``seams``; one background write in flight at a time.
+
+    It keeps the segments of the newest snapshot it published or restored (:attr:`segments`), so
+    that an incremental save (``config.incremental``) lists the rows that snapshot holds again
+    instead of writing them."""
 
     def __init__(self, seams: Seams) -> None:
         self.seams = seams
+        self.segments = ParentSegments()
         self._history = SaveHistory(seams.config.rollout_checkpointing.max_consecutive_failures)
         self._writer = BackgroundWriter(partial(save_steps.finish_write, seams), self._history.record)
 
@@ -38,7 +43,8 @@ class Checkpointer:
         this returns); None when the store holds none (start fresh). Raises
         :class:`~schemas.errors.TopologyMismatchError` for another topology and
         :class:`~coordinator.errors.RestoreError` when no snapshot could be restored."""
-        return restore_steps.restore(self.seams, workload, topology)
+        self._writer.wait()  # a write in flight would set the segments after the restore
+        return restore_steps.restore(self.seams, workload, topology, self.segments)
 
     def save(self, source: RecordsSource, fingerprint: str) -> SaveOutcome:
         """One save attempt now; the caller holds its loop (no rollout sent, no row put) until this returns.
@@ -49,7 +55,7 @@ class Checkpointer:
         outcome's final one comes from :meth:`wait_for_write`."""
         self._writer.wait()
         self.raise_if_failing()
-        outcome, pending = save_steps.save(self.seams, source, fingerprint)
+        outcome, pending = save_steps.save(self.seams, source, fingerprint, self.segments)
         if pending is None:
             self._history.record(outcome)
         else:

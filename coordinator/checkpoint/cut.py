@@ -7,7 +7,9 @@ TransferQueue, whose rows are write-once, only the listing of keys and tags; for
 the rows as Arrow tables). :func:`write_cut_parts` writes it into a draft (``tq/`` and
 ``controller/``) at any later time, from any thread; nothing it reads can change under it. For
 TransferQueue the rows are built and written one window at a time, so writing holds one window's
-copy of the values, not the cut's.
+copy of the values, not the cut's. An incremental save writes the rows as segments and lists again
+those the parent snapshot holds (:mod:`coordinator.dataplane.segments`); the controller's records
+are small and change every save, so they are always written whole.
 
 :class:`CutInBackground` takes it on a thread of its own, so that a save can take it while Gym
 prepares and commits: from the flush of acknowledgements to the resume, the controller's loop is held
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from coordinator.bookkeeping import ControllerRecords
 from coordinator.checkpoint.seams import RecordsSource
-from coordinator.dataplane import DataPlane, RowsCut, WrittenRows
+from coordinator.dataplane import DataPlane, RowsCut, SegmentHistory, WrittenRows
 from schemas.manifest import FileEntry
 from snapformat.draft import SnapshotDraft
 
@@ -87,10 +89,21 @@ class CutInBackground:
         self._thread.join()
 
 
-def write_cut_parts(draft: SnapshotDraft, cut: Cut, compression: str = "none") -> tuple[WrittenRows, list[FileEntry]]:
+def write_cut_parts(draft: SnapshotDraft, cut: Cut, compression: str = "none", *, incremental: bool = False,
+                    parent_segments: SegmentHistory | None = None) -> tuple[WrittenRows, list[FileEntry]]:
     """Write the cut's parts into ``draft`` (each file durable on return); publish closes them.
-    Returns what the data plane's rows came to (rows and bytes per kind) and the files written."""
-    rows = cut.rows.write(draft.part(TQ_PREFIX, writer="tq"), compression)
+    Returns what the data plane's rows came to (rows and bytes per kind) and the files written.
+
+    ``incremental``: the data plane's rows as segments (:meth:`RowsCut.write_segments`), listing
+    again those of ``parent_segments`` (used only when they describe the draft's parent); else one
+    file per kind. The controller's records are small and change every save: always whole files."""
+    tq = draft.part(TQ_PREFIX, writer="tq")
+    if incremental:
+        parent = draft.parent.snapshot_id if draft.parent is not None else None
+        reuse = parent_segments.for_parent(parent) if parent_segments is not None else None
+        rows = cut.rows.write_segments(tq, reuse, compression)
+    else:
+        rows = cut.rows.write(tq, compression)
     entries = list(rows.entries)
     ctl = draft.part(CONTROLLER_PREFIX, writer="controller")
     entries.append(ctl.write_json("loader", "loader_place", cut.records.loader))

@@ -19,10 +19,17 @@ from coordinator.bookkeeping import Bookkeeping
 
 
 class SaveReport(msgspec.Struct, frozen=True, kw_only=True):
-    """One save attempt: whether it was published, how long each step took, the pause.
+    """One save attempt: whether it was published, how long each step took, the pause, and what it
+    wrote.
 
     ``steps_s`` names the steps as they always were (``flush_acks``, ``prepare``, ``gym_commit``,
-    ``cut_wait``, ``cut``, ``resume``, ``write``, ``publish``), in the order they ran."""
+    ``cut_wait``, ``cut``, ``resume``, ``write``, ``publish``), in the order they ran. ``cut_bytes``:
+    Arrow memory of the data plane's rows built and written; ``rows``: rows per kind the snapshot
+    holds. Bytes the snapshot's files take in the store: ``rows_new_bytes``, the data plane's row
+    files this save wrote (an incremental save: its new segments; else every row);
+    ``rows_shared_bytes``, the row objects it lists from its parent without writing them;
+    ``parts_bytes``, every other file (Gym's parts, the controller's records, part manifests),
+    written whole by every save."""
 
     checkpoint_id: str
     mode: str
@@ -35,6 +42,9 @@ class SaveReport(msgspec.Struct, frozen=True, kw_only=True):
     steps_s: dict[str, float] = {}
     cut_bytes: int = 0
     rows: dict[str, int] = {}
+    rows_new_bytes: int = 0
+    rows_shared_bytes: int = 0
+    parts_bytes: int = 0
 
 
 class Continued(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,7 +21,9 @@ plane is cleared, and nothing was resumed: a later attempt starts from scratch. 
 boundary leaves the store as it was (a restore publishes nothing): the next job restores again.
 
 The restored bookkeeping is handed back in the :class:`~coordinator.checkpoint.outcomes.RestoreOutcome`;
-the controller adopts it.
+the controller adopts it. The segments the restored snapshot holds (with the keys read) become the
+checkpointer's :class:`~coordinator.checkpoint.history.ParentSegments` once the restore has finished,
+so the first save after it lists them again rather than writing every row.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import msgspec
 from coordinator.bookkeeping import Bookkeeping, ControllerRecords
 from coordinator.checkpoint import gym_parts
 from coordinator.checkpoint.cut import CONTROLLER_PREFIX, TQ_PREFIX
+from coordinator.checkpoint.history import ParentSegments
 from coordinator.checkpoint.outcomes import Continued, RestoreOutcome, RestoreReport
 from coordinator.checkpoint.seams import Seams
 from coordinator.errors import GymCallError, RestoreError
@@ -63,9 +66,13 @@ class _Unusable(Exception):
     """This snapshot cannot be restored (corrupt); the message says why."""
 
 
-def restore(seams: Seams, workload: Workload, topology: Topology) -> RestoreOutcome | None:
+def restore(seams: Seams, workload: Workload, topology: Topology,
+            segments: ParentSegments | None = None) -> RestoreOutcome | None:
     """Restore from the newest usable snapshot of the running ``topology``; None when the store has
-    none (start fresh)."""
+    none (start fresh). ``segments`` is forgotten first (the data plane is replaced) and, once the
+    restore has finished, describes the restored snapshot."""
+    if segments is not None:
+        segments.set(None)
     fingerprint = manifest_fingerprint(topology.fingerprint)
     seams.steps.reached("restore.begin")
     store = seams.store
@@ -83,7 +90,7 @@ def restore(seams: Seams, workload: Workload, topology: Topology) -> RestoreOutc
             continue
         check_topology(snap, fingerprint)  # a mismatch is never a reason to go back in time
         try:
-            outcome = _restore_from(seams, workload, topology, snap)
+            outcome = _restore_from(seams, workload, topology, snap, segments)
         except _Unusable as exc:
             skipped.append(f"snapshot {commit.sequence}: {exc}")
             log.warning("snapshot %d is corrupt (%s); falling back to the one before it", commit.sequence, exc)
@@ -107,7 +114,8 @@ def _read_records(snap: Snapshot) -> ControllerRecords:
     return ControllerRecords(loader, mine("recovery_ledger"), mine("replay_index"))
 
 
-def _restore_from(seams: Seams, workload: Workload, topology: Topology, snap: Snapshot) -> RestoreOutcome:
+def _restore_from(seams: Seams, workload: Workload, topology: Topology, snap: Snapshot,
+                  segments: ParentSegments | None = None) -> RestoreOutcome:
     gym, plane, cfg, steps = seams.gym, seams.plane, seams.config, seams.steps
     rid = f"restore-{int(time.time())}-{secrets.token_hex(4)}"
     steps_s: dict[str, float] = {}
@@ -187,6 +195,8 @@ def _restore_from(seams: Seams, workload: Workload, topology: Topology, snap: Sn
     gym.resume_checkpoint(rid, time.time() + cfg.resume_timeout_s)
     checkpoint_dir.cleanup()
     steps_s["resume"] = round(time.perf_counter() - t, 6)
+    if segments is not None:
+        segments.set(loaded.segments)
     steps.reached("restore.resumed")
     report = RestoreReport(restore_id=rid, snapshot_url=snap.url, sequence=snap.sequence, steps_s=steps_s,
                            continued=continued, acks_resent=acks_resent, rows=dict(loaded.rows))

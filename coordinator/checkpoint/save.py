@@ -16,6 +16,12 @@
 4. Publish once every part is durable (one commit point: SPEC §15.5).
 5. Resume Gym (resources, models, agents); the loop sends rollouts again only after that.
 
+With ``incremental`` on (the default) step 4 writes the data plane's rows as segments and lists
+again those the parent snapshot holds (:mod:`coordinator.dataplane.segments`), using the segments
+of the newest snapshot this checkpointer published or restored
+(:class:`~coordinator.checkpoint.history.ParentSegments`), which it updates only once the snapshot
+is published.
+
 In ``background`` mode step 5 comes right after the cut and the parts are written and published by
 the :class:`~coordinator.checkpoint.writer.BackgroundWriter` (:func:`finish_write`), one save at a
 time, while rollouts run: the pause is the drain, Gym's commit and the in-memory cut. In
@@ -37,9 +43,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from coordinator.checkpoint import gym_parts
-from coordinator.checkpoint.cut import Cut, CutInBackground, write_cut_parts
+from coordinator.checkpoint.cut import TQ_PREFIX, Cut, CutInBackground, write_cut_parts
+from coordinator.checkpoint.history import ParentSegments
 from coordinator.checkpoint.outcomes import SaveOutcome, SaveReport
 from coordinator.checkpoint.seams import RecordsSource, Seams
+from coordinator.dataplane import FILE_NAMES
 from coordinator.errors import GymCallError
 from gymkit.gym_fleet import CommitResult
 from snapformat import Published
@@ -67,6 +75,9 @@ class Progress:
     pause_s: float | None = None
     cut_bytes: int = 0
     rows: dict[str, int] = field(default_factory=dict)
+    rows_new_bytes: int = 0
+    rows_shared_bytes: int = 0
+    parts_bytes: int = 0
     published: Published | None = None
 
     def timed(self, name: str, fn: Callable[[], T]) -> T:
@@ -81,7 +92,9 @@ class Progress:
         return SaveReport(checkpoint_id=self.checkpoint_id, mode=self.mode, ok=ok, published=p is not None,
                           sequence=None if p is None else p.manifest.sequence,
                           snapshot_url=None if p is None else p.url, error=error, pause_s=self.pause_s,
-                          steps_s=dict(self.steps), cut_bytes=self.cut_bytes, rows=dict(self.rows))
+                          steps_s=dict(self.steps), cut_bytes=self.cut_bytes, rows=dict(self.rows),
+                          rows_new_bytes=self.rows_new_bytes, rows_shared_bytes=self.rows_shared_bytes,
+                          parts_bytes=self.parts_bytes)
 
 
 @dataclass(frozen=True)
@@ -94,16 +107,19 @@ class PendingWrite:
     checkpoint_dir: gym_parts.CheckpointDir  # Gym's files, adopted as parts by the write
     progress: Progress
     fingerprint: str
+    segments: ParentSegments | None = None  # what an incremental write lists again; updated once published
 
 
 def new_checkpoint_id() -> str:
     return f"ckpt-{int(time.time())}-{secrets.token_hex(4)}"
 
 
-def save(seams: Seams, source: RecordsSource, fingerprint: str) -> tuple[SaveOutcome, PendingWrite | None]:
+def save(seams: Seams, source: RecordsSource, fingerprint: str,
+         segments: ParentSegments | None = None) -> tuple[SaveOutcome, PendingWrite | None]:
     """One save attempt (the caller holds the loop). Returns its outcome and, when the outcome is
     ``writing``, what the background writer must write and publish. On a failure before publish Gym
-    is aborted, nothing is published and the outcome is ``aborted``."""
+    is aborted, nothing is published and the outcome is ``aborted``. ``segments``: the parent's
+    segments an incremental save lists again (None: it writes every row)."""
     cfg = seams.config
     cid = new_checkpoint_id()
     progress = Progress(checkpoint_id=cid, mode=cfg.write_mode)
@@ -139,7 +155,7 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str) -> tuple[SaveOut
         cut = progress.timed("cut_wait", cutting.result)  # what the cut adds to the pause past Gym's commit
         progress.steps["cut"] = round(cut.seconds, 6)  # the cut's own time, from the flush of ACKs on
         seams.steps.reached("save.cut")
-        pending = PendingWrite(draft, cut, commit, checkpoint_dir, progress, fingerprint)
+        pending = PendingWrite(draft, cut, commit, checkpoint_dir, progress, fingerprint, segments)
         in_pause = cfg.write_mode == "in_pause" or cut.held_bytes > cfg.max_cut_bytes
         if cfg.write_mode == "background" and in_pause:
             log.warning("the cut holds %d bytes, above max_cut_bytes %d: writing it inside the pause",
@@ -226,8 +242,11 @@ def write_and_publish(seams: Seams, p: PendingWrite, pause_started: float | None
         p.checkpoint_dir.cleanup()
     seams.steps.reached("save.gym_adopted")
     t0 = time.perf_counter()
-    rows, _ = write_cut_parts(p.draft, p.cut, seams.config.compression)
+    incremental = seams.config.incremental
+    rows, _ = write_cut_parts(p.draft, p.cut, seams.config.compression, incremental=incremental,
+                              parent_segments=p.segments.get() if p.segments is not None else None)
     progress.cut_bytes, progress.rows = rows.nbytes, dict(rows.rows)
+    progress.rows_new_bytes, progress.rows_shared_bytes = rows.new_bytes, rows.shared_bytes
     steps["write"] = round(time.perf_counter() - t0, 6)
     seams.steps.reached("save.written")
     timings = {f"{k}_s": v for k, v in steps.items()}
@@ -242,9 +261,15 @@ def write_and_publish(seams: Seams, p: PendingWrite, pause_started: float | None
                                 producer="coordinator.SingleController")
     steps["publish"] = round(time.perf_counter() - t1, 6)
     progress.published = published
+    # Every other file (Gym's parts, the controller's records, part manifests) is written whole by every save.
+    progress.parts_bytes = sum(f.size for f in published.manifest.files
+                               if not (f.path.startswith(TQ_PREFIX + "/") and f.kind in FILE_NAMES))
+    if p.segments is not None:  # what the next save lists again: this snapshot's segments, now that it is published
+        p.segments.set(rows.segments if incremental else None)
     seams.steps.reached("save.published")
-    log.info("published snapshot %d (%s): pause %.3fs, steps %s", published.manifest.sequence, progress.mode,
-             progress.pause_s or 0.0, steps)
+    log.info("published snapshot %d (%s): pause %.3fs, rows %d bytes new, %d shared, other parts %d bytes, "
+             "steps %s", published.manifest.sequence, progress.mode, progress.pause_s or 0.0, rows.new_bytes,
+             rows.shared_bytes, progress.parts_bytes, steps)
     return published
 
 

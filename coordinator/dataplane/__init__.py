@@ -14,6 +14,9 @@ must be consistent) apart from writing the bytes (what may happen after Gym resu
    snapshot's part, one Arrow file per kind (``training_rows``; ``token_capture_rows`` for
    partitions configured as such; ``dataplane_rows`` for partitions whose rows are neither), one
    window of rows at a time, checked by snapformat's row rules (:mod:`.writer`, the one write path).
+   Or :meth:`RowsCut.write_segments` (an incremental save): each partition as segments, shared
+   objects of consecutive keys, of which those the parent snapshot holds are listed again, not
+   written (:mod:`.segments` plans which).
 3. :meth:`DataPlane.load`, on restore: reads those files back (checksums verified) into an empty
    data plane, so that it holds exactly what it held: the same partitions, keys (in the same
    order), tags, and field values with their dtypes, shapes and dense/ragged layout.
@@ -21,7 +24,8 @@ must be consistent) apart from writing the bytes (what may happen after Gym resu
 Modules, each one concept: :mod:`.fields` (the neutral form rows take both ways),
 :mod:`.jsonvalues` (JSON kept exactly), :mod:`.row_kinds` (which table a partition goes to),
 :mod:`.columns` (one field as one Arrow column), :mod:`.codec` (partitions as tables, with their
-layout metadata), :mod:`.writer`, :mod:`.rows_cut`, :mod:`.plane` (the interface and ``load``),
+layout metadata), :mod:`.segments` (which rows an incremental save writes, which it lists again),
+:mod:`.writer`, :mod:`.rows_cut`, :mod:`.plane` (the interface and ``load``),
 :mod:`.memory` (the in-memory data plane), :mod:`.errors`; :mod:`.tq` (TransferQueue's adapter).
 
 Importing this package loads neither Ray nor torch: only the TransferQueue modules that need them
@@ -35,12 +39,13 @@ from coordinator.dataplane.memory import InMemoryDataPlane
 from coordinator.dataplane.plane import DataPlane, LoadReport
 from coordinator.dataplane.row_kinds import DATAPLANE, FILE_NAMES, TAGS_COLUMN, TOKEN_CAPTURE, TRAINING
 from coordinator.dataplane.rows_cut import CopiedCut, RowsCut
-from coordinator.dataplane.writer import WrittenRows, write_sources
+from coordinator.dataplane.segments import SEGMENT_BYTES, SEGMENT_ROWS, HeldSegment, SegmentHistory
+from coordinator.dataplane.writer import ListedPartition, WrittenRows, write_segments, write_sources
 
 __all__ = [
-    "DATAPLANE", "FILE_NAMES", "TAGS_COLUMN", "TOKEN_CAPTURE", "TRAINING", "CopiedCut", "DataPlane",
-    "DataPlaneChangedError", "DataPlaneError", "DataPlaneNotEmptyError", "FieldData", "FieldSpec",
-    "InMemoryDataPlane", "LoadReport", "Objects", "PartitionRows", "PartitionSource", "Ragged", "RowGroup",
-    "RowTable", "RowsCut", "WrittenRows", "build_table", "layout_of", "parse_table", "whole_source",
-    "write_sources",
+    "DATAPLANE", "FILE_NAMES", "SEGMENT_BYTES", "SEGMENT_ROWS", "TAGS_COLUMN", "TOKEN_CAPTURE", "TRAINING",
+    "CopiedCut", "DataPlane", "DataPlaneChangedError", "DataPlaneError", "DataPlaneNotEmptyError", "FieldData",
+    "FieldSpec", "HeldSegment", "InMemoryDataPlane", "ListedPartition", "LoadReport", "Objects", "PartitionRows",
+    "PartitionSource", "Ragged", "RowGroup", "RowTable", "RowsCut", "SegmentHistory", "WrittenRows", "build_table",
+    "layout_of", "parse_table", "whole_source", "write_segments", "write_sources",
 ]

@@ -202,6 +202,70 @@ def group_by_presence(presence: Mapping[str, np.ndarray], n: int) -> list[tuple[
     return groups
 
 
+def slice_partition(part: PartitionRows, start: int, stop: int) -> PartitionRows:
+    """Rows ``[start, stop)`` of a partition (values are views): the fields those rows hold, with
+    the partition's layouts, in its order."""
+    groups = []
+    for g in part.groups:
+        a, b = (int(i) for i in np.searchsorted(g.rows, [start, stop]))  # a group's rows ascend
+        if a < b:
+            groups.append(RowGroup(g.rows[a:b] - start, {name: slice_field(fd, part.specs[name], a, b)
+                                                         for name, fd in g.fields.items()}))
+    held = {name for g in groups for name in g.fields}
+    return PartitionRows(part.partition_id, part.keys[start:stop], part.tags[start:stop],
+                         {name: spec for name, spec in part.specs.items() if name in held}, groups, part.position)
+
+
+def join_partitions(parts: Sequence[PartitionRows], where: str) -> PartitionRows:
+    """One partition's pieces (its segments, in order) as one partition, without copying a value:
+    keys and tags one after the other, each piece's groups kept (their rows shifted), every field's
+    layout unified (:func:`unify_specs`: a field dense in one piece and ragged in another is ragged),
+    fields in the order the pieces name them. A key in two pieces is refused, naming ``where``."""
+    first = parts[0]
+    keys = [k for p in parts for k in p.keys]
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        again = next(k for k in keys if k in seen or seen.add(k))
+        raise InvalidRecordError(f"{where}: key {again!r} of partition {first.partition_id!r} is in two segments")
+    by_name: dict[str, list[FieldSpec]] = {}
+    for name in _merged_order([list(p.specs) for p in parts]):
+        by_name[name] = [p.specs[name] for p in parts if name in p.specs]
+    specs = {name: unify_specs(s, f"{where} partition {first.partition_id!r} field {name!r}")
+             for name, s in by_name.items()}
+    groups = []
+    offset = 0
+    for p in parts:
+        groups.extend(RowGroup(g.rows + offset, g.fields) for g in p.groups)
+        offset += len(p.keys)
+    return PartitionRows(first.partition_id, keys, [t for p in parts for t in p.tags], specs, groups)
+
+
+def _merged_order(orders: Sequence[Sequence[str]]) -> list[str]:
+    """Field orders of several pieces as one: the longest first (the newest pieces name every field,
+    in the data plane's order), then any name it lacks, in the order the pieces give them."""
+    if not orders:
+        return []
+    base = list(max(orders, key=len))
+    seen = set(base)
+    for order in orders:
+        for name in order:
+            if name not in seen:
+                seen.add(name)
+                base.append(name)
+    return base
+
+
+def rows_nbytes(part: PartitionRows) -> int:
+    """About what a partition's values take in memory (objects counted roughly: 64 bytes each)."""
+    total = 0
+    for g in part.groups:
+        for fd in g.fields.values():
+            total += fd.values.nbytes if isinstance(fd.values, np.ndarray) else 64 * len(fd.values)
+            if fd.offsets is not None:
+                total += fd.offsets.nbytes
+    return total
+
+
 # ------------------------------------------------------------------ what producers put, per row
 
 
@@ -279,5 +343,6 @@ def split_rows(spec: FieldSpec, fd: FieldData) -> list[Any]:
 
 __all__ = [
     "DTYPES", "FieldData", "FieldSpec", "Objects", "PartitionRows", "Ragged", "RowGroup", "concat_fields",
-    "field_data", "group_by_presence", "rows_of", "slice_field", "split_rows", "unify_specs",
+    "field_data", "group_by_presence", "join_partitions", "rows_nbytes", "rows_of", "slice_field", "slice_partition",
+    "split_rows", "unify_specs",
 ]

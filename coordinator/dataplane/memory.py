@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.dataplane.errors import DataPlaneError
 from coordinator.dataplane.fields import (
     FieldSpec,
     PartitionRows,
@@ -38,10 +39,17 @@ class InMemoryDataPlane(DataPlane):
     existing ones and sets fields: a numpy array ``[n, ...]`` is a dense field, :class:`Ragged` a
     ragged one, :class:`Objects` a non-tensor one. A field keeps the layout of its first put in a
     partition. Values are copied in and out, so no caller can change what it holds. Thread-safe.
+
+    ``write_once`` makes it keep TransferQueue's adapter's promise: a key put (or restored) once is
+    refused a second put, even after it was deleted, so that an incremental save may list rows an
+    earlier snapshot holds instead of writing them again (:attr:`DataPlane.rows_write_once`).
     """
 
-    def __init__(self, token_capture_partitions: Iterable[str] | Callable[[str], bool] | None = None) -> None:
+    def __init__(self, token_capture_partitions: Iterable[str] | Callable[[str], bool] | None = None,
+                 write_once: bool = False) -> None:
         super().__init__(token_capture_partitions)
+        self.write_once = write_once
+        self._written: set[tuple[str, str]] = set()  # (partition, key) ever put or restored, with write_once
         self._lock = threading.Lock()
         # partition -> key -> [tag, {field: value}] (insertion order is key order); specs per partition
         self._rows: dict[str, dict[str, list[Any]]] = {}
@@ -62,6 +70,11 @@ class InMemoryDataPlane(DataPlane):
         for name, value in (fields or {}).items():
             converted[name] = rows_of(name, value, n)
         with self._lock:
+            if self.write_once:
+                again = [k for k in keys if (partition_id, k) in self._written]
+                if again:
+                    raise DataPlaneError(f"partition {partition_id!r}: keys {again[:5]} were put before; this data "
+                                         "plane is write-once")
             part = self._rows.setdefault(partition_id, {})
             specs = self._specs.setdefault(partition_id, {})
             for name, (spec, _) in converted.items():
@@ -76,6 +89,8 @@ class InMemoryDataPlane(DataPlane):
                     row[0].update(json_copy(dict(tags[i])))
                 for name, (_, values) in converted.items():
                     row[1][name] = values[i]
+            if self.write_once:
+                self._written.update((partition_id, k) for k in keys)
 
     def delete(self, partition_id: str, keys: Sequence[str]) -> None:
         """Remove keys (the partition stays, possibly empty), like TransferQueue's ``kv_clear``."""
@@ -101,10 +116,15 @@ class InMemoryDataPlane(DataPlane):
 
     # -- the DataPlane side --
 
+    @property
+    def rows_write_once(self) -> bool:
+        return self.write_once
+
     def clear(self) -> None:
         with self._lock:
             self._rows.clear()
             self._specs.clear()
+            self._written.clear()
 
     def is_empty(self) -> bool:
         with self._lock:
@@ -133,6 +153,8 @@ class InMemoryDataPlane(DataPlane):
 
     def restore_partitions(self, partitions: Sequence[PartitionRows]) -> None:
         with self._lock:
+            if self.write_once:
+                self._written.update((p.partition_id, k) for p in partitions for k in p.keys)
             for p in partitions:
                 rows = self._rows.setdefault(p.partition_id, {})
                 self._specs[p.partition_id] = dict(p.specs)

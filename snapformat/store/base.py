@@ -125,6 +125,25 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Delete one object durably; a missing object is not an error."""
 
+    def delete_if_older(self, key: str, before: float) -> ObjectInfo | None:
+        """Delete ``key`` only if its modification time is before ``before`` (a ``time.time()``
+        value); returns what was deleted, or None when it was younger or absent.
+
+        GC's sweep of shared objects (SPEC §14.2): a writer that needs an old object puts it again
+        (:meth:`put_bytes`, same bytes), which makes it young. A backend that can make the look and
+        the delete one step against :meth:`put_bytes` overrides this (local disk: both hold the
+        folder's lock); here the time is read right before the delete, which leaves the window of
+        one request between the two.
+        """
+        try:
+            info = self.info(key)
+        except FileNotFoundError:
+            return None
+        if info.mtime >= before:
+            return None
+        self.delete(key)
+        return info
+
     @abc.abstractmethod
     def delete_tree(self, prefix: str) -> None:
         """Delete every object under the folder ``prefix``; a missing folder is not an error."""

@@ -8,8 +8,10 @@ silently replace the loser's target on Linux, so it is not used for the commit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import uuid
 from collections.abc import Iterator
@@ -50,6 +52,17 @@ _FAULTS = {
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
 }
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path, how: int) -> Iterator[None]:
+    """``flock`` on the folder itself (no lock file to leave behind); released on close."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, how)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _io_error(where: str, action: str, exc: OSError) -> StoreError:
@@ -191,7 +204,7 @@ class LocalStore(Store):
 
     def open_read(self, key: str) -> BinaryIO:
         try:
-            return open(self._path(key), "rb")  # noqa: SIM115 - the caller closes it
+            return open(self._path(key), "rb")
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -229,7 +242,8 @@ class LocalStore(Store):
         except OSError as exc:
             raise _io_error(self.display(key), "write", exc) from exc
         try:
-            os.replace(tmp, path)
+            with _folder_lock(path.parent, fcntl.LOCK_SH):  # never between delete_if_older's look and its delete
+                os.replace(tmp, path)
             _fsync_dir(path.parent)
             for d in created:
                 _fsync_dir(d.parent)
@@ -301,6 +315,24 @@ class LocalStore(Store):
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 raise _io_error(self.display(key), "delete", exc) from exc
+
+    def delete_if_older(self, key: str, before: float) -> ObjectInfo | None:
+        """Look and delete under the folder's exclusive lock, which :meth:`put_bytes` holds shared
+        while it replaces a file there: a put of the same key lands before the look (the file is
+        young and kept) or after the delete (a new file), never between."""
+        path = self._path(key)
+        try:
+            with _folder_lock(path.parent, fcntl.LOCK_EX):
+                st = path.stat()
+                if st.st_mtime >= before:
+                    return None
+                path.unlink()
+            _fsync_dir(path.parent)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _io_error(self.display(key), "delete", exc) from exc
+        return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def delete_tree(self, prefix: str) -> None:
         base = self._path(prefix)

@@ -195,8 +195,12 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_one_before(fleet, tmp_path:
     store = SnapshotStore(str(tmp_path / "store"))
     _run_with_snapshots(fleet, store, 2)
     newest = store.latest()
-    victim = next(e for e in newest.manifest.files if e.kind == "training_rows")
-    path = Path(newest.url) / victim.path
+    # A file only the newest holds: a training segment written by its save (an incremental save
+    # lists the older ones again, so a damaged shared object would spoil both), else its ledger.
+    older = {e.object for e in store.open(newest.sequence - 1).manifest.files}
+    victim = next((e for e in newest.manifest.files if e.kind == "training_rows" and e.object not in older),
+                  None) or next(e for e in newest.manifest.files if e.kind == "recovery_ledger")
+    path = Path(newest.store.local_path(newest.key(victim)))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -4,9 +4,12 @@ Each snapshot-level case publishes a real snapshot, then rewrites ``manifest.jso
 and its commit record consistently (size and checksum updated), so that only the version check
 can refuse it; an unchanged rewrite is shown to open. Proves that:
 - a manifest of a newer major version (``2.0``) or with an unknown required feature is refused
-  with ``VersionError`` naming the file, the snapshot's version and this reader's (``1.2``);
+  with ``VersionError`` naming the file, the snapshot's version and this reader's (``1.3``);
 - an older, the same or a newer minor version without unknown required features is read;
-- this reader (format 1.2) knows ``dataplane_rows`` and still refuses the reserved ``shared_objects``;
+- this reader (format 1.3) knows ``dataplane_rows`` and ``shared_objects``, and no name is reserved
+  any more; a reader of format 1.2 (simulated) refuses a snapshot that names shared objects,
+  naming the feature and both versions, and reads a 1.3 snapshot that names none; a manifest that
+  names objects without listing the feature is refused as corrupt;
 - format 1.2's kind ``gym_file`` needs no feature (SPEC §13.1): a snapshot of Gym's files lists none,
   a reader that does not know the kind reads the rest of it and verifies its bytes, and an older
   restore refuses it by its topology fingerprint (the 1.1 recipe recomputed here never matches);
@@ -27,7 +30,7 @@ from typing import Any
 import pytest
 
 from schemas.controller import LoaderPlace
-from schemas.errors import InvalidRecordError, SnapshotError, TopologyMismatchError, VersionError
+from schemas.errors import CorruptSnapshotError, InvalidRecordError, SnapshotError, TopologyMismatchError, VersionError
 from schemas.gym_records import AgentContinuationRoot
 from schemas.manifest import FileKind
 from schemas.version import (
@@ -36,6 +39,7 @@ from schemas.version import (
     KINDS_WITHOUT_FEATURE,
     KNOWN_FEATURES,
     RESERVED_FEATURES,
+    SHARED_OBJECTS,
     check_readable,
     check_record_version,
     features_of_kinds,
@@ -105,7 +109,7 @@ def test_an_unchanged_rewrite_still_opens(tmp_path: Path) -> None:
     assert verify_snapshot(store.open(1)).ok
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2", "1.17"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2", "1.3", "1.17"])
 def test_same_major_is_read(tmp_path: Path, version: str) -> None:
     store, pub = publish_small(tmp_path)
     rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version=version, a_newer_field={"x": 1}))
@@ -126,15 +130,18 @@ def test_other_major_is_refused_naming_both_versions(tmp_path: Path, version: st
         assert layout.MANIFEST_NAME in message and pub.manifest.snapshot_id in message
 
 
-@pytest.mark.parametrize("features", [["shared_objects"], ["from_the_future"], ["shared_objects", "zz"]])
-def test_unknown_required_feature_is_refused_naming_both_versions(tmp_path: Path, features: list[str]) -> None:
+@pytest.mark.parametrize(("features", "unknown"), [(["from_the_future"], "from_the_future"),
+                                                    (["shared_objects", "zz"], "zz"),
+                                                    (["dataplane_rows", "zz"], "zz")])
+def test_unknown_required_feature_is_refused_naming_both_versions(tmp_path: Path, features: list[str],
+                                                                  unknown: str) -> None:
     store, pub = publish_small(tmp_path)
-    rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version="1.3", required_features=features))
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(format_version="1.4", required_features=features))
     with pytest.raises(VersionError) as err:
         store.open(1)
     message = str(err.value)
-    assert all(f in message for f in features)
-    assert "1.3" in message and FORMAT_VERSION in message and layout.MANIFEST_NAME in message
+    assert f"requires feature(s) {unknown} (format version 1.4)" in message
+    assert f"this reader (format version {FORMAT_VERSION})" in message and layout.MANIFEST_NAME in message
 
 
 @pytest.mark.parametrize("version", ["1", "v1.0", "1.0.0", "", "1.x", "١.٠"])
@@ -227,17 +234,17 @@ def test_check_readable() -> None:
     check_readable("1.1", ["dataplane_rows"], "m")
     with pytest.raises(VersionError):
         check_readable("2.0", [], "m")
-    with pytest.raises(VersionError, match="shared_objects"):
-        check_readable("1.0", ["shared_objects"], "m")
-    with pytest.raises(VersionError, match=r"shared_objects \(format version 1.1\); this reader \(format version "
-                                           r"1.2\) knows dataplane_rows"):
-        check_readable("1.1", ["dataplane_rows", "shared_objects"], "m")
+    check_readable("1.3", ["shared_objects"], "m")
+    check_readable("1.3", ["dataplane_rows", "shared_objects"], "m")
+    with pytest.raises(VersionError, match=r"incremental \(format version 1.4\); this reader \(format version "
+                                           r"1.3\) knows dataplane_rows, shared_objects"):
+        check_readable("1.4", ["incremental", "shared_objects"], "m")
     check_readable("1.2", [], "m")
     check_readable("1.2", ["dataplane_rows"], "m")
 
 
 def test_format_1_1_defines_the_dataplane_rows_feature() -> None:
-    assert KNOWN_FEATURES == {"dataplane_rows"} and not KNOWN_FEATURES & RESERVED_FEATURES
+    assert "dataplane_rows" in KNOWN_FEATURES and not KNOWN_FEATURES & RESERVED_FEATURES
     assert features_of_kinds(["dataplane_rows", "training_rows"]) == ["dataplane_rows"]
     assert features_of_kinds(["training_rows", "token_capture_rows", "continuations"]) == []
 
@@ -245,8 +252,6 @@ def test_format_1_1_defines_the_dataplane_rows_feature() -> None:
 def test_format_1_2_adds_gym_file_without_a_feature() -> None:
     from snapformat.kinds import GYM_KINDS
 
-    assert FORMAT_VERSION == "1.2"
-    assert KNOWN_FEATURES == {"dataplane_rows"}  # 1.2 adds none
     assert "gym_file" in KINDS_WITHOUT_FEATURE and "gym_file" not in KIND_FEATURES
     assert features_of_kinds(["gym_file", "part_manifest", "training_rows", "token_capture_rows", "replay_index",
                               "recovery_ledger", "loader_place"]) == []
@@ -254,6 +259,67 @@ def test_format_1_2_adds_gym_file_without_a_feature() -> None:
     known_kinds = set(typing.get_args(FileKind)) | GYM_KINDS
     assert set(KIND_FEATURES) <= known_kinds and set(KINDS_WITHOUT_FEATURE) <= known_kinds
     assert not set(KIND_FEATURES) & set(KINDS_WITHOUT_FEATURE)
+
+
+def test_format_1_3_defines_the_shared_objects_feature() -> None:
+    """1.3 makes the reserved name ``shared_objects`` a feature (SPEC §14.2): known, no longer
+    reserved, listed exactly when a file entry names an object, whatever the kinds."""
+    assert FORMAT_VERSION == "1.3"
+    assert SHARED_OBJECTS == "shared_objects"
+    assert KNOWN_FEATURES == {"dataplane_rows", "shared_objects"}
+    assert RESERVED_FEATURES == frozenset()
+    assert SHARED_OBJECTS not in KIND_FEATURES.values()  # a property of entries, not of a kind
+    assert features_of_kinds(["training_rows", "token_capture_rows"], objects=True) == ["shared_objects"]
+    assert features_of_kinds(["dataplane_rows", "training_rows"], objects=True) == ["dataplane_rows", "shared_objects"]
+    assert features_of_kinds(["training_rows", "gym_file"], objects=False) == []
+
+
+def publish_with_objects(root: Path) -> tuple[SnapshotStore, Published]:
+    """A snapshot whose training rows are a shared object (format 1.3)."""
+    store = SnapshotStore(str(root))
+    draft = store.begin()
+    rs = example.rollouts(12, seed=7)  # four of them finished: four training rows
+    draft.part("tq").write_rows_object("training-000000.arrow", "training_rows", example.training_batch(rs, seed=7))
+    draft.part("controller").write_json("loader", "loader_place", LoaderPlace(epoch=0, consumed=2, seed=5))
+    return store, draft.publish()
+
+
+def test_a_1_2_reader_refuses_shared_objects_naming_both_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPEC §13.1, §14.2: a reader of format 1.2 knows ``dataplane_rows`` only. It refuses a 1.3
+    snapshot that names shared objects (it would look for those files in the snapshot folder),
+    naming the feature and both versions, every way it opens one; it reads a 1.3 snapshot that names
+    none (incremental saves off) as written."""
+    from schemas import version
+
+    objects_root, plain_root = tmp_path / "objects", tmp_path / "plain"
+    store, pub = publish_with_objects(objects_root)
+    assert pub.manifest.format_version == "1.3" and pub.manifest.required_features == [SHARED_OBJECTS]
+    (entry,) = pub.manifest.files[:1]
+    assert entry.object == entry.checksum and (objects_root / layout.object_key(entry.object)).is_file()
+    plain, plain_pub = publish_small(plain_root)
+    assert plain_pub.manifest.format_version == "1.3" and plain_pub.manifest.required_features == []
+
+    monkeypatch.setattr(version, "FORMAT_VERSION", "1.2")
+    monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset({"dataplane_rows"}))
+    for opener in open_all_ways(store, pub):
+        with pytest.raises(VersionError) as err:
+            opener()
+        message = str(err.value)
+        assert ("requires feature(s) shared_objects (format version 1.3); this reader (format version 1.2) "
+                "knows dataplane_rows") in message
+        assert layout.MANIFEST_NAME in message and pub.manifest.snapshot_id in message
+    assert plain.open(1).records("continuations") == [continuation(i) for i in range(3)]
+    assert verify_snapshot(plain.open(1)).ok
+
+
+def test_objects_without_the_feature_are_refused(tmp_path: Path) -> None:
+    """A manifest that names an object but does not list ``shared_objects`` would be misread by a
+    1.2 reader (it would not refuse it): this reader refuses it as corrupt."""
+    store, pub = publish_with_objects(tmp_path)
+    assert store.open(1).read_table("training").num_rows == pub.manifest.files[0].records == 4
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(required_features=[]))
+    with pytest.raises(CorruptSnapshotError, match="shared_objects"):
+        store.open(1)
 
 
 def publish_gym_example(root: Path) -> tuple[SnapshotStore, Published]:
@@ -266,7 +332,7 @@ def publish_gym_example(root: Path) -> tuple[SnapshotStore, Published]:
 def test_a_snapshot_of_gyms_files_lists_no_feature(tmp_path: Path) -> None:
     store, pub = publish_gym_example(tmp_path)
     m = store.open(1).manifest
-    assert m.format_version == "1.2" and m.required_features == []
+    assert m.format_version == FORMAT_VERSION and m.required_features == []
     assert any(f.kind == "gym_file" for f in m.files) and pub.manifest == m
 
 

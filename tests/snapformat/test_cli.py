@@ -1,7 +1,11 @@
 """The ``snapformat`` command: every subcommand, its ``--json`` output and its exit codes.
 
 Most cases call ``main()`` in-process (fast); a few run the installed command as a real process
-to prove the entry point, ``python -m snapformat`` and the exit codes seen by a shell.
+to prove the entry point, ``python -m snapformat`` and the exit codes seen by a shell. With shared
+objects: ``show`` says the bytes new in a snapshot and shared with its parent (all new when the
+parent is gone), ``verify`` of a store hashes each object once and names every snapshot and file
+that references a bad one, and ``gc`` reports what it swept and kept and why, takes ``--grace``,
+refuses one shorter than ``--min-age``, and says why it swept no object.
 """
 
 from __future__ import annotations
@@ -9,16 +13,19 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
 import pytest
 
-from snapformat import SnapshotStore
+from snapformat import SnapshotStore, layout
 from snapformat.cli import main
 from snapformat.example import AGENT, MODEL, TOPOLOGY, gym_prefix, write_example, write_legacy_example
+from tests.snapformat.chains import Chain
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +233,123 @@ def test_real_process_entry_points_and_exit_codes(store: Path, tmp_path: Path) -
         assert missing.returncode == 1 and "snapformat-store.json" in missing.stderr
         usage = subprocess.run(cmd + ["ls"], capture_output=True, text=True, timeout=120)
         assert usage.returncode == 2
+
+
+# -- incremental snapshots (shared objects) -----------------------------------------------------------
+
+def _age_objects(root: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    for p in (root / layout.OBJECTS).rglob("*"):
+        if p.is_file():
+            os.utime(p, (then, then))
+
+
+@pytest.fixture(scope="module")
+def incremental_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Sequence 1 writes two row objects; 2 lists the second again and writes one of its own."""
+    root = tmp_path_factory.mktemp("cli-incremental") / "store"
+    chain = Chain(SnapshotStore(str(root)))
+    chain.publish(new=2)
+    chain.publish(new=1, drop=1)
+    return root
+
+
+def test_show_says_bytes_new_and_shared_with_the_parent(incremental_store: Path, capsys) -> None:
+    store = SnapshotStore(str(incremental_store))
+    first, second = store.open(1).manifest, store.open(2).manifest
+    parent_objects = {f.object for f in first.files if f.object}
+    shared = {f.object: f.size for f in second.files if f.object in parent_objects}
+    total = sum(f.size for f in second.files)
+    code, out, _ = run(capsys, "show", str(incremental_store), "--json")
+    assert code == 0
+    b = json.loads(out)["bytes"]
+    assert len(shared) == 1 and b["objects_shared_with_parent"] == 1 and b["objects"] == 2
+    assert b["shared_with_parent"] == sum(shared.values()) > 0
+    assert b["new"] == total - b["shared_with_parent"] and b["total"] == total and b["parent"] == "read"
+    code, text, _ = run(capsys, "show", store.open(2).url)
+    assert code == 0 and "new" in text and "shared with the parent (1 of 2 objects)" in text
+    code, out, _ = run(capsys, "show", store.open(1).url, "--json")
+    b = json.loads(out)["bytes"]
+    assert (b["parent"], b["shared_with_parent"], b["new"]) == ("none", 0, sum(f.size for f in first.files))
+
+
+def test_show_when_the_parent_is_gone_counts_every_byte_as_new(tmp_path: Path, capsys) -> None:
+    chain = Chain(SnapshotStore(str(tmp_path / "store")))
+    chain.publish(new=1)
+    chain.publish(new=1, keep_latest=1)
+    code, out, _ = run(capsys, "show", str(tmp_path / "store"), "--json")
+    b = json.loads(out)["bytes"]
+    assert code == 0 and b["parent"].startswith("not in this store") and b["shared_with_parent"] == 0
+    assert b["new"] == b["total"] > 0
+    code, text, _ = run(capsys, "show", str(tmp_path / "store"))
+    assert "every byte counted as new" in text
+
+
+def test_verify_of_a_store_names_every_snapshot_that_references_a_bad_object(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "store"
+    store = SnapshotStore(str(root))
+    chain = Chain(store)
+    for _ in range(3):
+        chain.publish(new=1)  # each lists every object before it again
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and len(report["snapshots"]) == 3
+    assert report["objects_checked"] == 3  # each hashed once, though listed six times
+    victim = next(f for f in store.open(1).manifest.files if f.object is not None)
+    path = root / layout.object_key(victim.object)
+    path.write_bytes(path.read_bytes()[:-10])  # truncated
+    code, _, err = run(capsys, "verify", str(root))
+    assert code == 1 and layout.object_key(victim.object) in err
+    fail = next(line for line in err.splitlines() if layout.object_key(victim.object) in line)
+    for c in store.list():
+        assert f"{store.open(c.sequence).url} (sequence {c.sequence}) as {victim.path}" in fail
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    [bad] = report["object_problems"]
+    assert bad["object"] == victim.object and "hash to" in bad["message"]
+    assert sorted(r["sequence"] for r in bad["referenced_by"]) == [1, 2, 3]
+    assert all([p["file"] for p in r["problems"]] == [victim.path] for r in report["snapshots"])
+
+
+def test_gc_reports_what_it_swept_and_kept_and_why(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "store"
+    store = SnapshotStore(str(root))
+    chain = Chain(store)
+    for _ in range(3):
+        chain.publish(new=1, drop=1)  # each snapshot lists only its own object
+    code, out, _ = run(capsys, "gc", str(root), "--keep", "1", "--min-age", "3600", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["kept"] == [3] and report["swept_objects"] == []
+    assert report["kept_objects"]["committed"] == 1 and report["kept_objects"]["young"] == 2
+    assert report["grace_s"] == 3600 and report["store_calls"]["walk"] >= 1
+    _age_objects(root, 2 * 86400)
+    code, text, _ = run(capsys, "gc", str(root), "--min-age", "3600", "--grace", "7200")
+    assert code == 0 and "swept 2" in text and "1 named by committed snapshots" in text and "7200 s grace" in text
+    assert [c.sequence for c in store.list()] == [3] and SnapshotStore(str(root)).latest() is not None
+    code, _, err = run(capsys, "gc", str(root), "--min-age", "3600", "--grace", "60")
+    assert code == 2 and "grace_s" in err
+    manifest = root / layout.snapshot_dir(store.open(3).manifest.snapshot_id) / layout.MANIFEST_NAME
+    manifest.write_bytes(b"{damaged")
+    code, text, _ = run(capsys, "gc", str(root), "--min-age", "0")
+    assert code == 0 and "objects: none swept" in text and "sequence 3" in text
+
+
+GOLDEN_V1_3 = Path(__file__).resolve().parents[2] / "spec" / "examples" / "store-v1.3"
+
+
+def test_cat_and_export_give_exactly_the_rows_a_row_range_holds(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    """The golden 1.3 store's second snapshot lists its parent's training segment narrowed by a
+    row range: ``cat`` and ``export`` stream only those rows (the object holds more), in order."""
+    snap = SnapshotStore(str(GOLDEN_V1_3)).latest()
+    ranged = [e for e in snap.files("training_rows") if e.row_range is not None]
+    assert ranged and all(e.row_range != (0, e.records) for e in ranged)
+    held = snap.read_table("training").column("key").to_pylist()
+    assert len(held) == sum(e.records for e in snap.files("training_rows"))
+    code, out, _ = run(capsys, "cat", snap.url, "training")
+    assert code == 0 and [json.loads(line)["key"] for line in out.splitlines()] == held
+    target = tmp_path / "training.parquet"
+    code, _, _ = run(capsys, "export", snap.url, "training", str(target), "--json")
+    assert code == 0
+    assert duckdb.sql(f"select key from '{target}'").fetchall() == [(k,) for k in held]

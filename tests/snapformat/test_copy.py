@@ -6,18 +6,30 @@ byte-identical manifests), every copied snapshot verifies there, a second copy r
 there" and changes nothing, a destination holding a different snapshot at a sequence refuses
 with ``CommitConflictError`` (exit 1), and a corrupted source file fails the copy with
 ``CorruptSnapshotError`` and publishes nothing; once the source is repaired, the copy succeeds.
+
+Incremental snapshots (shared objects): two stores sharing nothing, copied into each other (local,
+and local <-> SeaweedFS), end with exactly the union of the objects their snapshots name, each
+copied once, and every snapshot reads back its own rows; an object already at the destination is
+checked (and made young again), not copied, and replaced when its bytes do not match its name; a
+source object whose bytes do not match its name fails the copy and lands nowhere.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from snapformat import SnapshotStore, verify_snapshot
+from schemas.controller import LoaderPlace
+from snapformat import SnapshotStore, layout, verify_snapshot
 from snapformat.cli import main
+from snapformat.copy import copy_snapshot, copy_store
 from snapformat.example import TOPOLOGY, write_example
+from snapformat.verify import verify_store
+from tests.snapformat.chains import Chain, referenced_objects, stored_objects
 
 
 class Stores:
@@ -228,3 +240,102 @@ def test_corrupt_seaweedfs_source_publishes_nothing_locally(local_src: Path, sea
     assert code == 0, out
     assert_copied(out, copied=1, already=1)
     assert_same_and_verified(stores(local_src), stores(dst))
+
+
+# -- incremental snapshots: copies carry exactly the objects referenced, each once --------------------
+
+def _tiny(store: SnapshotStore, keep_latest: int | None = None) -> None:
+    draft = store.begin()
+    draft.part("controller").write_json("loader", "loader_place", LoaderPlace(epoch=0, consumed=0, seed=0))
+    draft.publish(keep_latest=keep_latest)
+
+
+def _store_at(where: str, name: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if where == "local":
+        return str(tmp_path / name)
+    server = request.getfixturevalue("seaweed")
+    request.getfixturevalue("aws_env")(server)
+    return f"s3://{request.getfixturevalue('new_bucket')(server)}/{name}"
+
+
+@pytest.mark.parametrize("b_where", ["local", "seaweed"])
+def test_two_stores_sharing_nothing_copied_into_each_other(b_where: str, tmp_path: Path, request, stores: Stores,
+                                                           capsys) -> None:
+    a = stores(tmp_path / "a")
+    b = stores(_store_at(b_where, "b", tmp_path, request))
+    chain_a, chain_b = Chain(a, salt=1), Chain(b, salt=2)
+    chain_a.publish(new=2)
+    chain_a.publish(new=1, drop=1, narrow=True)
+    chain_a.publish(new=2, narrow=True)  # A: sequences 1..3
+    for _ in range(3):
+        _tiny(b)  # B's own 1..3, pruned below: B's chain holds 4..6
+    chain_b.publish(new=2, keep_latest=3)
+    chain_b.publish(new=1, narrow=True, keep_latest=3)
+    chain_b.publish(new=1, drop=2, keep_latest=3)
+    assert [c.sequence for c in b.list()] == [6, 5, 4]
+    own_a, own_b = referenced_objects(a), referenced_objects(b)
+    assert own_a and own_b and not own_a & own_b
+
+    into_b = copy_store(str(a.url), b.url)
+    into_a = copy_store(b.url, str(a.url))
+    # each object once, however many snapshots list it; nothing already there copied again
+    assert sum(r.objects_copied for r in into_b) == len(own_a)
+    assert sum(r.objects_reused for r in into_b) > 0 and all(r.objects_replaced == 0 for r in into_b)
+    assert [(r.sequence, r.skipped) for r in into_a] == [(1, True), (2, True), (3, True), (4, False), (5, False),
+                                                         (6, False)]
+    assert sum(r.objects_copied for r in into_a) == len(own_b)
+    for store in (a, b):
+        assert [c.sequence for c in store.list()] == [6, 5, 4, 3, 2, 1]
+        assert store.latest().sequence == 6
+        assert stored_objects(store) == referenced_objects(store) == own_a | own_b  # exactly, no cross-talk
+        assert verify_store(store.store).ok
+        for c in store.list():
+            snap = store.open(c.sequence)
+            chain = chain_a if c.sequence <= 3 else chain_b
+            assert snap.read_table("training").equals(chain.expected(snap.manifest.snapshot_id))
+    code, out = cli(capsys, "copy", a.url, b.url)  # again: everything already there
+    assert code == 0 and "copied" not in out.replace("already there", ""), out
+
+
+def test_copy_checks_objects_already_there_and_replaces_a_damaged_one(tmp_path: Path, stores: Stores) -> None:
+    src, dst = stores(tmp_path / "src"), stores(tmp_path / "dst")
+    chain = Chain(src)
+    chain.publish(new=2)
+    chain.publish(new=1)  # lists the first snapshot's two objects again
+    first = copy_snapshot(src.open(1), dst.store)
+    assert (first.objects_copied, first.objects_present) == (2, 0)
+    victim, healthy = sorted(f.object for f in src.open(1).manifest.files if f.object is not None)
+    damaged = tmp_path / "dst" / layout.object_key(victim)
+    damaged.write_bytes(damaged.read_bytes()[::-1])  # same size, not what its name says
+    old = time.time() - 7 * 86400
+    os.utime(tmp_path / "dst" / layout.object_key(healthy), (old, old))
+
+    second = copy_snapshot(src.open(2), dst.store)
+    assert (second.objects_copied, second.objects_present, second.objects_replaced) == (1, 1, 1)
+    # the object already there was checked, not copied, and made young again: a GC at the
+    # destination keeps it until this copy has published
+    assert (tmp_path / "dst" / layout.object_key(healthy)).stat().st_mtime > time.time() - 60
+    assert verify_store(dst.store).ok  # snapshot 1 at the destination is whole again too
+    for seq in (1, 2):
+        snap = dst.open(seq)
+        assert snap.read_table("training").equals(chain.expected(snap.manifest.snapshot_id))
+
+
+@pytest.mark.parametrize("where", ["local", "seaweed"])
+def test_a_source_object_that_does_not_match_its_name_publishes_nothing(where: str, tmp_path: Path, request,
+                                                                        stores: Stores, capsys) -> None:
+    src = stores(tmp_path / "src")
+    Chain(src).publish(new=1)
+    entry = next(f for f in src.open(1).manifest.files if f.object is not None)
+    path = tmp_path / "src" / layout.object_key(entry.object)
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))  # right size, right key, wrong bytes
+    dst = stores(_store_at(where, "dst", tmp_path, request))
+    code, out = cli(capsys, "copy", src.url, dst.url)
+    assert code == 1 and "CorruptSnapshotError" in out and layout.object_key(entry.object) in out, out
+    assert "hashing to" in out
+    assert dst.list() == [] and entry.object not in stored_objects(dst)  # never trusted for its name
+    path.write_bytes(good)
+    code, out = cli(capsys, "copy", src.url, dst.url)
+    assert code == 0, out
+    assert_same_and_verified(src, dst)

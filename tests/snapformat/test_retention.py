@@ -2,7 +2,10 @@
 
 Proves: ``keep_latest=k`` keeps exactly the newest k snapshots (commits and folders); a snapshot's
 commit is deleted before its folder, so a crash between the two leaves an unlisted folder that the
-sweep removes once it is old enough; ``keep_latest < 1`` is refused before anything is committed
+sweep removes once it is old enough; snapshots are deleted oldest sequence first, so that with a
+stale hint discovery never goes back in time (the issue's case: hint at 2, 4 committed; deleting 3
+before 2 made discovery return 2), checked after every single deletion and after a crash at each
+step, for any store, hint and k (property test); ``keep_latest < 1`` is refused before anything is committed
 or deleted; the sweep takes old drafts but not a live writer's young one, ``touch()`` keeps a
 draft young, and a commit record that cannot be read protects its folder.
 """
@@ -10,14 +13,19 @@ draft young, and a commit record that cannot be read protects its folder.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas.controller import LoaderPlace
 from schemas.errors import InvalidRecordError, NotPublishedError
-from snapformat import LocalStore, SnapshotStore, layout, open_snapshot, verify_snapshot
+from schemas.manifest import LatestHint
+from snapformat import LocalStore, SnapshotStore, discovery, layout, open_snapshot, verify_snapshot
 from snapformat.draft import SnapshotDraft
 from snapformat.retention import apply_retention, sweep_drafts
 
@@ -119,7 +127,7 @@ def test_commit_is_deleted_before_its_folder(tmp_path: Path) -> None:
     raw.deletions.clear()
     apply_retention(raw, 1)
     expected = []
-    for seq in (3, 2, 1):
+    for seq in (1, 2, 3):  # oldest first, each commit before its folder
         expected += [("delete", layout.commit_key(seq)), ("delete_tree", layout.snapshot_dir(ids[seq - 1]))]
     assert raw.deletions == expected
 
@@ -260,3 +268,79 @@ def test_gc_applies_retention_then_sweeps(tmp_path: Path) -> None:
     assert report.swept_drafts == [leftover.snapshot_id]
     assert report.kept == [3]
     assert _folders(tmp_path) == {ids[2]}
+
+
+# -- retention deletes oldest first: discovery never goes back in time ---------------------------------
+
+def _store_with_stale_hint(root: Path, newest: int, hint: int) -> SnapshotStore:
+    """Sequences 1..``newest`` committed, and the hint left at ``hint`` (a writer that crashed
+    before updating it, or a hint put back by a copy)."""
+    store = SnapshotStore(str(root))
+    for _ in range(newest):
+        _publish_tiny(store)
+    store.store.put_bytes(layout.HINT_KEY, msgspec.json.encode(
+        LatestHint(sequence=hint, snapshot_id=discovery.read_commit(store.store, hint).snapshot_id)))
+    return store
+
+
+class _WatchingDiscovery(LocalStore):
+    """Runs discovery after every deletion (what a reader arriving right then would find), and
+    crashes after ``crash_after`` deletions when given."""
+
+    def __init__(self, root: Path, crash_after: int | None = None) -> None:
+        super().__init__(root)
+        self.found: list[int | None] = []
+        self.crash_after = crash_after
+
+    def _after(self) -> None:
+        self.found.append(discovery.latest_sequence(LocalStore(self.root)))
+        if self.crash_after is not None and len(self.found) >= self.crash_after:
+            raise _Crash("killed mid-retention")
+
+    def delete(self, key: str) -> None:
+        super().delete(key)
+        self._after()
+
+    def delete_tree(self, prefix: str) -> None:
+        super().delete_tree(prefix)
+        self._after()
+
+
+def test_newest_first_deletion_sent_discovery_back_in_time(tmp_path: Path) -> None:
+    # The issue's case, with the order retention used before: 3 deleted before 2.
+    store = _store_with_stale_hint(tmp_path, newest=4, hint=2)
+    assert discovery.latest_sequence(store.store) == 4  # the probe walks 2 -> 3 -> 4
+    store.store.delete(layout.commit_key(3))  # newest-first retention with keep_latest=1 starts here
+    assert discovery.latest_sequence(store.store) == 2  # although 4 is committed
+    assert store.store.exists(layout.commit_key(4))
+
+
+def test_oldest_first_deletion_keeps_discovery_on_the_newest(tmp_path: Path) -> None:
+    store = _store_with_stale_hint(tmp_path, newest=4, hint=2)
+    ids = [c.snapshot_id for c in reversed(store.list())]
+    watching = _WatchingDiscovery(tmp_path)
+    assert apply_retention(watching, 1) == ids[:3]  # oldest first
+    assert watching.found == [4] * 6  # after each commit and each folder deletion
+    assert discovery.committed_sequences(watching) == [4]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_retention_interrupted_anywhere_never_hides_the_newest(data: st.DataObject) -> None:
+    newest = data.draw(st.integers(2, 7), label="newest")
+    hint = data.draw(st.integers(1, newest), label="hint")
+    keep = data.draw(st.integers(1, newest), label="keep_latest")
+    deletions = 2 * (newest - keep)
+    crash_after = data.draw(st.none() | st.integers(1, max(1, deletions)), label="crash_after")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _store_with_stale_hint(root, newest, hint)
+        watching = _WatchingDiscovery(root, crash_after)
+        try:
+            apply_retention(watching, keep)
+        except _Crash:
+            pass
+        assert all(found == newest for found in watching.found), watching.found
+        assert discovery.latest_sequence(LocalStore(root)) == newest
+        left = discovery.committed_sequences(LocalStore(root))
+        assert left == list(range(newest, newest - len(left), -1))  # consecutive up to the newest

@@ -290,7 +290,7 @@ def test_example_snapshot_round_trips_and_its_ledger_holds_the_captured_tokens(e
     assert snap is not None
     assert verify_snapshot(snap).ok
     captured = {(e["rollout_id"], e["model_call_id"]): e for entry in snap.files("token_capture_rows")
-                for e in iter_entries(snap.open_rows(entry), snap.where(entry))}
+                for e in iter_entries(snap.iter_batches(entry), snap.where(entry))}
     assert len(captured) == snap.read_table("tokens").num_rows > 0
     folders = {component_of_prefix(prefix): Path(check_part(snap, prefix)) for prefix in gym_prefixes(snap)}
     assert sorted(folders) == ["agent", "ledger", "resources"]

@@ -43,7 +43,7 @@ def _read_back(store: SnapshotStore) -> list[TokenEntry]:
     snap = store.latest()
     assert snap is not None
     (entry,) = snap.files("token_capture_rows")
-    return [TokenEntry.model_validate(e) for e in iter_entries(snap.open_rows(entry), snap.where(entry))]
+    return [TokenEntry.model_validate(e) for e in iter_entries(snap.iter_batches(entry), snap.where(entry))]
 
 
 def _dumps(entries: list[TokenEntry]) -> list[dict]:
@@ -127,7 +127,7 @@ def test_version_1_token_files_of_the_golden_store_read_as_gym_entries() -> None
     for entry in snap.files("token_capture_rows"):
         reader = snap.open_rows(entry)
         assert reader.schema.metadata[b"snapformat.schema_version"] == b"1"
-        got = [TokenEntry.model_validate(e) for e in iter_entries(reader, snap.where(entry))]
+        got = [TokenEntry.model_validate(e) for e in iter_entries(snap.iter_batches(entry), snap.where(entry))]
         assert len(got) == entry.records > 0
         assert all(isinstance(e.generation_log_probs[0], float) for e in got if e.generation_log_probs)
     assert verify_snapshot(snap).ok

@@ -6,17 +6,26 @@
   version 2 token files, ``dataplane_rows``) hold Gym parts of this project's own kinds
   (``gym/<component>/<name>/``, SPEC §12.3 to §12.7) and the fingerprint of that writer's recipe.
   They are read and verified unchanged: every part kind, the continuation semantics, the token index.
-- ``store-v1.2`` (format 1.2, the current writer) holds Gym's own files adopted as parts
-  (``gym_file``, SPEC §12.11, CONTROL.md §9), ``gym_commit`` with Gym's component names and each
-  commit reply verbatim, and NeMo-RL's fingerprint. Its Gym folders are checked with gymkit's
-  readers (every digest and reference), resolve against each other and the data plane, come back
-  byte for byte from gymkit's writers and from a download (``materialize_gym``), and ``snapformat
-  verify``, ``show`` and ``cat SNAP continuations`` work on it.
+- ``store-v1.2`` (format 1.2) and ``store-v1.3`` (format 1.3, the current writer) hold Gym's own
+  files adopted as parts (``gym_file``, SPEC §12.11, CONTROL.md §9), ``gym_commit`` with Gym's
+  component names and each commit reply verbatim, and NeMo-RL's fingerprint. Their Gym folders are
+  checked with gymkit's readers (every digest and reference), resolve against each other and the
+  data plane, come back byte for byte from gymkit's writers and from a download
+  (``materialize_gym``), and ``snapformat verify``, ``show`` and ``cat SNAP continuations`` work on
+  them.
+- ``store-v1.3`` is incremental (feature ``shared_objects``, SPEC §12.12, §14.2): the data plane's
+  rows are segments under ``objects/``; the second snapshot lists the first's token-capture segment
+  again, its training segment again narrowed by a ``row_range``, and one new segment of each kind.
+  Every object is named by the SHA-256 of its bytes and checked by them, never trusted by its name;
+  a damaged one is named with each snapshot that lists it; a 1.2 reader refuses the store naming
+  the feature and both versions. The writer with incremental saves off (``write_example``) still
+  writes the data files of ``store-v1.2`` byte for byte.
 
 Across versions: a 1.2 restore refuses the older stores by their topology fingerprint, and a 1.1
 restore (its recipe recomputed here) refuses the 1.2 store, which is why ``gym_file`` needs no
-required feature (SPEC §13.1). The generator must reproduce every data file of the newest store
-byte for byte (only part manifests, manifests and commit records carry times and random ids).
+required feature (SPEC §13.1). The generator must reproduce every data file and object of the
+newest store byte for byte (only part manifests, manifests and commit records carry times and
+random ids).
 """
 
 from __future__ import annotations
@@ -30,26 +39,34 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from schemas import AgentContinuationRoot, capture_key
+from schemas import AgentContinuationRoot, capture_key, version
 from schemas.control import AgentCommitResponse, ModelCommitResponse, ResourcesCommitResponse
-from schemas.errors import TopologyMismatchError
+from schemas.controller import PromptGroup
+from schemas.errors import CorruptSnapshotError, TopologyMismatchError, VersionError
 from schemas.gym_files import agent_instance_dir, ledger_dir, resources_dir
 from schemas.manifest import FileKind
 from schemas.rows import DATAPLANE_SCHEMA, TOKEN_CAPTURE_SCHEMA, TOKEN_CAPTURE_SCHEMA_V1, TRAINING_SCHEMA
-from schemas.version import FORMAT_VERSION, features_of_kinds
+from schemas.version import FORMAT_VERSION, SHARED_OBJECTS, features_of_kinds
 from snapformat import SnapshotStore, example, layout, open_snapshot, verify_snapshot
 from snapformat.adopt import gym_prefixes, materialize_gym
 from snapformat.checksum import checksum_bytes
 from snapformat.cli import main as snapformat_main
 from snapformat.kinds import GYM_FILE_KIND
+from snapformat.token_rows import batch_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "spec" / "examples"
 #: Each golden store, with the format version its manifests carry.
-STORES = {"store-v1": "1.0", "store-v1.1": "1.1", "store-v1.2": FORMAT_VERSION}
-NEWEST = "store-v1.2"
+STORES = {"store-v1": "1.0", "store-v1.1": "1.1", "store-v1.2": "1.2", "store-v1.3": FORMAT_VERSION}
+NEWEST = "store-v1.3"
 #: Stores whose Gym parts are this project's own kinds (format 1.0 and 1.1 writers).
 LEGACY = {"store-v1", "store-v1.1"}
+#: Stores whose Gym parts are Gym's own files (format 1.2 on).
+GYM_STORES = ("store-v1.2", "store-v1.3")
+#: Stores whose data-plane rows are shared objects (format 1.3 on, incremental).
+INCREMENTAL = {"store-v1.3"}
+#: The loader place's ``consumed`` (prompt groups so far) of each sequence.
+CONSUMED = {"store-v1.3": {1: 3, 2: 6}}
 GYM_LINE = ('{"schema_version": 1, "rollout_id": "p7_g2", "attempt_index": 0, "capture_key": "p7_g2", '
             '"last_committed_model_call_id": "call-2", "resource_state_revisions": {"tools": 3}}')
 #: Files that carry times or random ids, so they differ between two runs of the generator.
@@ -109,6 +126,17 @@ def newest():
     return _open_all(NEWEST)
 
 
+@pytest.fixture(scope="module", params=GYM_STORES)
+def gym_store(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def gym_snaps(gym_store):
+    """The snapshots of a store whose Gym parts are Gym's own files (1.2 and 1.3)."""
+    return _open_all(gym_store)
+
+
 @pytest.fixture(scope="module")
 def legacy_snaps():
     return {name: _open_all(name) for name in sorted(LEGACY)}
@@ -127,11 +155,15 @@ def test_list_and_latest(golden, store, snaps):
     for m in (first, second):
         assert m.format_version == STORES[golden]
         assert m.topology_fingerprint == topology
-        assert m.required_features == features_of_kinds(f.kind for f in m.files)
-    assert first.required_features == []
-    # The second snapshot of 1.1 and 1.2 holds NeMo-RL staging rows: the format 1.1 feature. Gym's
+        assert m.required_features == features_of_kinds((f.kind for f in m.files),
+                                                        objects=any(f.object for f in m.files))
+        assert any(f.object for f in m.files) == (golden in INCREMENTAL)
+    # 1.3's snapshots name shared objects: the format 1.3 feature.
+    shared = [SHARED_OBJECTS] if golden in INCREMENTAL else []
+    assert first.required_features == shared
+    # The second snapshot from 1.1 on holds NeMo-RL staging rows: the format 1.1 feature. Gym's
     # files (1.2) need none.
-    assert second.required_features == ([] if golden == "store-v1" else ["dataplane_rows"])
+    assert second.required_features == ([] if golden == "store-v1" else ["dataplane_rows"]) + shared
     assert store.latest_matching(topology).sequence == 2
     # open by location, as `ls` prints it
     assert open_snapshot(snaps[2].url).manifest == second
@@ -241,15 +273,15 @@ def test_continuations_resolve_in_the_older_stores(legacy_snaps):
                 assert sessions[(c.rollout_id, "tools")].state_revision == c.resource_state_revisions["tools"]
 
 
-# -- the 1.2 store: Gym's files ----------------------------------------------------------------------
+# -- the 1.2 and 1.3 stores: Gym's files -------------------------------------------------------------
 def _gym_dir(snap) -> Path:
     path = snap.store.local_path(layout.file_key(snap.manifest.snapshot_id, layout.GYM_PREFIX))
     assert path is not None
     return Path(path)
 
 
-def test_every_part_kind_of_the_newest_store_reads(newest):
-    for seq, snap in newest.items():
+def test_every_part_kind_of_the_gym_stores_reads(gym_store, gym_snaps):
+    for seq, snap in gym_snaps.items():
         kinds = {f.kind for f in snap.manifest.files}
         expected = {"training_rows", "token_capture_rows", "loader_place", "replay_index", "recovery_ledger",
                     "part_manifest", GYM_FILE_KIND} | ({"dataplane_rows"} if seq == 2 else set())
@@ -262,12 +294,12 @@ def test_every_part_kind_of_the_newest_store_reads(newest):
         training = snap.read_table("training")
         assert training.num_rows == sum(f.records for f in snap.files("training_rows")) > 0
         (loader,) = snap.records("loader")
-        assert loader.seed == {1: 7, 2: 8}[seq] and loader.consumed == 3
+        assert loader.seed == {1: 7, 2: 8}[seq] and loader.consumed == CONSUMED.get(gym_store, {}).get(seq, 3)
         assert snap.records("continuations") == []  # no file of this project's own continuation kind
 
 
-def test_gym_parts_are_gyms_layout_and_commit_replies_verbatim(newest):
-    for snap in newest.values():
+def test_gym_parts_are_gyms_layout_and_commit_replies_verbatim(gym_snaps):
+    for snap in gym_snaps.values():
         prefixes = [example.gym_prefix(c.component, c.name) for c in example.CAPABILITIES]
         assert gym_prefixes(snap) == prefixes  # first in the manifest, in commit order
         assert prefixes[0] == f"gym/{agent_instance_dir(example.AGENT)}"
@@ -289,20 +321,24 @@ def test_gym_parts_are_gyms_layout_and_commit_replies_verbatim(newest):
                 assert sum(1 for line in data.splitlines() if line.strip()) == ref.records
 
 
-def test_gym_folders_read_back_and_resolve(newest):
+def test_gym_folders_read_back_and_resolve(gym_snaps):
     """Read with gymkit, as a restoring participant does (every digest and reference checked), each
     continuation root resolves: its parked record, its lineage up to its last call (whose tokens are
     the data plane's token-capture row of that call), its storage reference and its session."""
     from gymkit.checkpoint_dir import check_ledger_roots, read_agent_dir, read_ledger_dir, read_resources_dir
 
-    for snap in newest.values():
+    for snap in gym_snaps.values():
         gym = _gym_dir(snap)
         agent, records, roots = read_agent_dir(gym / agent_instance_dir(example.AGENT))
         ledger, refs, lineage = read_ledger_dir(gym / ledger_dir(example.MODEL))
         check_ledger_roots(ledger, roots)
         _, sessions = read_resources_dir(gym / resources_dir(example.RESOURCE))
         assert roots and agent.records == len(records) and ledger.continuation_roots == len(roots)
-        assert ledger.excluded_inactive == sum(1 for r in snap.records("replay_index") if r.partition_id == "train")
+        # The rollouts the model saw finish: this save's training rows (an incremental data plane
+        # also still holds earlier saves' rows, of other prompt groups).
+        groups = {r.group_id for r in snap.records("recovery_ledger") if isinstance(r, PromptGroup)}
+        assert ledger.excluded_inactive == sum(1 for r in snap.records("replay_index")
+                                               if r.partition_id == "train" and r.group_id in groups)
         tokens = {(e["rollout_id"], e["model_call_id"]): e["digest"] for e in _token_entries(snap)}
         by_attempt = {(r.rollout_id, r.attempt_index): r for r in records}
         referenced = {(ref.capture_key, ref.boundary_model_call_id) for ref in refs}
@@ -323,14 +359,14 @@ def test_gym_folders_read_back_and_resolve(newest):
 
 
 def _token_entries(snap):
-    from snapformat.token_rows import iter_entries
-
+    """Every token-capture row the snapshot holds (a row range applied) as Gym's TokenEntry JSON."""
     for entry in snap.files("token_capture_rows"):
-        yield from iter_entries(snap.open_rows(entry), snap.where(entry))
+        for b, batch in enumerate(snap.read_rows(entry).to_batches()):
+            yield from batch_entries(batch, f"{snap.where(entry)}: batch {b}")
 
 
-def test_continuation_index_is_gyms_compact_lines(newest):
-    for snap in newest.values():
+def test_continuation_index_is_gyms_compact_lines(gym_snaps):
+    for snap in gym_snaps.values():
         (entry,) = [f for f in snap.files(GYM_FILE_KIND) if f.path.endswith("/continuations.jsonl")]
         assert entry.path.startswith(f"gym/{agent_instance_dir(example.AGENT)}/")
         data = snap.read_bytes(entry)
@@ -341,12 +377,12 @@ def test_continuation_index_is_gyms_compact_lines(newest):
             assert msgspec.json.encode(root) == line  # compact, Gym's field order, no spaces
 
 
-def test_gymkit_writes_the_same_bytes(newest, tmp_path):
+def test_gymkit_writes_the_same_bytes(gym_snaps, tmp_path):
     """The example writes Gym's files without gymkit (snapformat lies below it): gymkit's writers,
     given the records read back, write every file byte for byte the same."""
     from gymkit import checkpoint_dir as cd
 
-    snap = newest[2]
+    snap = gym_snaps[2]
     gym = _gym_dir(snap)
     agent, records, roots = cd.read_agent_dir(gym / agent_instance_dir(example.AGENT))
     ledger, refs, lineage = cd.read_ledger_dir(gym / ledger_dir(example.MODEL))
@@ -366,28 +402,29 @@ def test_gymkit_writes_the_same_bytes(newest, tmp_path):
         assert fresh[name] == data, name
 
 
-def test_gym_parts_download_byte_for_byte(newest, tmp_path):
+def test_gym_parts_download_byte_for_byte(gym_snaps, tmp_path):
     """A restore from an object store gets the same files: every Gym part downloaded (checked
     against the part manifests and Gym's manifests) into a local checkpoint_dir."""
-    snap = newest[2]
+    snap = gym_snaps[2]
     prefixes = materialize_gym(snap, str(tmp_path / "gym"))
     assert prefixes == gym_prefixes(snap)
     for entry in snap.files(GYM_FILE_KIND):
         assert (tmp_path / entry.path).read_bytes() == snap.read_bytes(entry)
 
 
-def test_cli_verify_show_and_cat_continuations(newest, capsys):
+def test_cli_verify_show_and_cat_continuations(gym_store, gym_snaps, capsys):
+    newest = gym_snaps
     url = newest[2].url
     assert snapformat_main(["verify", url]) == 0
     assert "OK" in capsys.readouterr().out
-    assert snapformat_main(["verify", str(EXAMPLES / NEWEST), "--json"]) == 0
+    assert snapformat_main(["verify", newest[2].url, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["problems"] == [] and report["files_checked"] == len(newest[2].manifest.files)
 
     assert snapformat_main(["show", url, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert [g["prefix"] for g in shown["gym_parts"]] == gym_prefixes(newest[2])
-    assert shown["topology_fingerprint"] == example.TOPOLOGY and shown["format_version"] == FORMAT_VERSION
+    assert shown["topology_fingerprint"] == example.TOPOLOGY and shown["format_version"] == STORES[gym_store]
     assert snapformat_main(["show", url]) == 0
     text = capsys.readouterr().out
     assert "responses_api_agents/agent0" in text and "gym/model-ledger/policy0" in text
@@ -426,24 +463,30 @@ def test_the_legacy_writer_is_the_1_1_writer(tmp_path, legacy_snaps):
             [(p.component, p.name, p.part_prefix, p.payload) for p in golden.manifest.gym_commit.participants]
 
 
+def _data_files(snap) -> dict:
+    """Each listed file that carries no time or random id: path -> what pins its bytes and rows."""
+    return {f.path: (f.kind, f.size, f.checksum, f.records, f.batches, f.object, f.row_range)
+            for f in snap.manifest.files if f.kind not in VOLATILE_KINDS}
+
+
 def test_regenerated_data_files_are_byte_identical(tmp_path, newest):
     """Only the newest store: the older ones are what older writers produced."""
     gen = _generator()
-    assert (gen.COUNT, gen.SEEDS) == (12, (7, 8))
+    assert (gen.COUNT, gen.SEEDS, gen.CONSUMED) == (12, (7, 8), 1)
     assert gen.DEFAULT_OUT == EXAMPLES / NEWEST
     gen.write_store(tmp_path / "store")
     fresh = SnapshotStore(str(tmp_path / "store"))
     assert [c.sequence for c in fresh.list()] == sorted(newest, reverse=True)
     for seq, golden in newest.items():
         new = fresh.open(seq)
-        want = {f.path: f for f in golden.manifest.files if f.kind not in VOLATILE_KINDS}
-        got = {f.path: f for f in new.manifest.files if f.kind not in VOLATILE_KINDS}
+        want, got = _data_files(golden), _data_files(new)
         assert sorted(got) == sorted(want), seq
         for path, entry in want.items():
-            fresh_entry = got[path]
-            assert (fresh_entry.checksum, fresh_entry.size, fresh_entry.records) == \
-                (entry.checksum, entry.size, entry.records), f"sequence {seq}: {path} changed"
-            assert checksum_bytes(new.read_bytes(fresh_entry)) == entry.checksum
+            assert got[path] == entry, f"sequence {seq}: {path} changed"
+        for entry in new.manifest.files:
+            if entry.kind not in VOLATILE_KINDS:
+                algorithm = entry.checksum.split(":", 1)[0]
+                assert checksum_bytes(new.read_bytes(entry), algorithm) == entry.checksum
         assert [f.path for f in new.manifest.files] == [f.path for f in golden.manifest.files]
         # Gym's commit result: the same participants, parts and replies (the part manifest
         # checksums carry the part manifests' times).
@@ -451,3 +494,132 @@ def test_regenerated_data_files_are_byte_identical(tmp_path, newest):
             [(p.component, p.name, p.part_prefix, p.payload) for p in golden.manifest.gym_commit.participants]
         assert (new.manifest.format_version, new.manifest.required_features, new.manifest.topology_fingerprint) == \
             (golden.manifest.format_version, golden.manifest.required_features, golden.manifest.topology_fingerprint)
+    # The same objects, byte for byte, and no other.
+    assert _object_files(tmp_path / "store") == _object_files(EXAMPLES / NEWEST)
+
+
+def test_the_writer_without_incremental_saves_writes_the_1_2_store(tmp_path):
+    """Incremental saves off (``write_example``: every file in the snapshot folder) is what the 1.2
+    writer wrote: the data files of ``store-v1.2`` byte for byte; only the manifests say 1.3."""
+    gen = _generator()
+    golden = _open_all("store-v1.2")
+    fresh = SnapshotStore(str(tmp_path / "store"))
+    for seq, seed in zip((1, 2), gen.SEEDS, strict=True):
+        draft = fresh.begin()
+        gym, receipts = example.write_example(draft, count=gen.COUNT, seed=seed)
+        if seq == 2:
+            bulk = draft.part(gen.BULK_PREFIX, writer="example:bulk")
+            bulk.write_records("replay_index", "replay_index", gen.bulk_replay_index())
+            staging = draft.part(gen.STAGING_PREFIX, writer="example:staging")
+            staging.write_rows("dataplane.arrow", "dataplane_rows", gen.staging_rows(seed))
+            receipts += [bulk.close(), staging.close()]
+        new = open_snapshot(draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=example.TOPOLOGY).url)
+        assert _data_files(new) == _data_files(golden[seq]), seq
+        assert new.manifest.format_version == FORMAT_VERSION
+        assert new.manifest.required_features == golden[seq].manifest.required_features  # no shared_objects
+    assert not (tmp_path / "store" / layout.OBJECTS).exists()
+
+
+# -- the 1.3 store: incremental, shared objects ------------------------------------------------------------
+def _object_files(root: Path) -> dict[str, bytes]:
+    folder = root / layout.OBJECTS
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _tq(snap) -> dict:
+    return {f.path: f for f in snap.manifest.files if f.path.startswith("tq/") and f.kind != "part_manifest"}
+
+
+def test_the_second_snapshot_lists_the_firsts_segments_again(newest):
+    first, second = _tq(newest[1]), _tq(newest[2])
+    assert list(first) == ["tq/training-000000.arrow", "tq/token_capture-000000.arrow"]
+    # Data-plane order: partition by partition, each partition's segments in key order.
+    assert list(second) == ["tq/training-000000.arrow", "tq/training-000001.arrow",
+                            "tq/token_capture-000000.arrow", "tq/token_capture-000001.arrow"]
+    assert all(f.object == f.checksum and f.object.startswith("sha256:") for f in (*first.values(), *second.values()))
+    # The token-capture segment again whole: the same entry but for the writer's own label.
+    assert second["tq/token_capture-000000.arrow"] == first["tq/token_capture-000000.arrow"]
+    # The training segment again, narrowed to the rows the data plane still holds (one consumed).
+    old, kept = first["tq/training-000000.arrow"], second["tq/training-000000.arrow"]
+    assert (kept.object, kept.size, kept.batches) == (old.object, old.size, old.batches) and old.row_range is None
+    assert kept.row_range == (1, old.records) and kept.records == old.records - 1
+    # New rows: new objects.
+    assert {second[p].object for p in ("tq/training-000001.arrow", "tq/token_capture-000001.arrow")}.isdisjoint(
+        f.object for f in first.values())
+    # Every other file lies in the snapshot folder.
+    for snap in newest.values():
+        assert {f.path for f in snap.manifest.files if f.object} == set(_tq(snap))
+
+
+def test_objects_are_named_by_their_bytes_and_stored_once(newest):
+    stored = _object_files(EXAMPLES / NEWEST)
+    named = {f.object: f.size for snap in newest.values() for f in snap.manifest.files if f.object}
+    assert sorted(stored) == sorted(layout.object_key(name) for name in named)  # each once, nothing else
+    for key, data in stored.items():
+        name = layout.object_of_key(key)
+        assert name == "sha256:" + hashlib.sha256(data).hexdigest() and len(data) == named[name]
+    # Nothing of the data plane's rows in the snapshot folders.
+    for snap in newest.values():
+        folder = EXAMPLES / NEWEST / layout.snapshot_dir(snap.manifest.snapshot_id) / "tq"
+        assert sorted(p.name for p in folder.iterdir()) == ["part-manifest.json"]
+    # What the second snapshot wrote anew, and what it shares with its parent.
+    parent = {f.object for f in newest[1].manifest.files if f.object}
+    shared = {f.object: f.size for f in newest[2].manifest.files if f.object in parent}
+    assert len(shared) == 2 and sum(shared.values()) > 0
+
+
+def test_a_row_range_reads_those_rows_of_the_object(newest):
+    first, second = newest[1], newest[2]
+    old = first.read_table("training")
+    new_segment = second.read_rows(_tq(second)["tq/training-000001.arrow"])
+    training = second.read_table("training")
+    assert training.num_rows == sum(f.records for f in second.files("training_rows")) == old.num_rows - 1 + 4
+    assert training.slice(0, old.num_rows - 1).equals(old.slice(1))
+    assert training.slice(old.num_rows - 1).equals(new_segment)
+    # The replay index lists exactly the training rows the data plane holds, in its order.
+    assert training.column("key").to_pylist() == [r.key for r in second.records("replay_index")
+                                                   if r.partition_id == "train"]
+    tokens = second.read_table("tokens")
+    assert tokens.slice(0, first.read_table("tokens").num_rows).equals(first.read_table("tokens"))
+
+
+def test_a_damaged_object_is_named_with_each_snapshot_that_lists_it(tmp_path):
+    """An object whose bytes do not match its name is refused, never trusted by its name: reading
+    and verifying each snapshot that lists it names the object and that snapshot's file."""
+    import shutil
+
+    root = tmp_path / "store"
+    shutil.copytree(EXAMPLES / NEWEST, root)
+    snaps = _open_all(NEWEST)
+    entry = _tq(snaps[1])["tq/token_capture-000000.arrow"]
+    path = root / layout.object_key(entry.object)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    store = SnapshotStore(str(root))
+    for seq in (1, 2):
+        snap = store.open(seq)
+        with pytest.raises(CorruptSnapshotError) as err:
+            snap.read_table("tokens")
+        message = str(err.value)
+        assert layout.object_key(entry.object) in message and snap.manifest.snapshot_id in message
+        assert entry.path in message and "checksum" in message
+        problems = verify_snapshot(snap).problems
+        assert [p.file for p in problems] == [entry.path], problems
+        assert snap.read_table("training").num_rows > 0  # the other objects still read
+
+
+def test_a_1_2_reader_refuses_the_incremental_store_naming_both_versions(monkeypatch):
+    """SPEC §13.1: a reader of format 1.2 (which knows only ``dataplane_rows``) refuses both 1.3
+    snapshots, naming the feature, the snapshot's version and its own; it still reads the 1.2 store."""
+    monkeypatch.setattr(version, "FORMAT_VERSION", "1.2")
+    monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset({"dataplane_rows"}))
+    store = SnapshotStore(str(EXAMPLES / NEWEST))
+    for seq in (1, 2):
+        with pytest.raises(VersionError) as err:
+            store.open(seq)
+        message = str(err.value)
+        assert f"requires feature(s) {SHARED_OBJECTS} (format version 1.3)" in message
+        assert "this reader (format version 1.2) knows dataplane_rows" in message
+        assert layout.MANIFEST_NAME in message
+    assert SnapshotStore(str(EXAMPLES / "store-v1.2")).open(2).read_table("training").num_rows > 0

@@ -29,7 +29,7 @@ from schemas.gym_records import AgentContinuationRoot
 from schemas.jsonschema import CONTROL_MESSAGES, FIELD_MEANINGS, FOLDERS, GYM_FILES, RECORDS, render
 from schemas.manifest import FileKind
 from schemas.rows import TOKEN_CAPTURE_SCHEMA, TRAINING_SCHEMA
-from schemas.version import FORMAT_VERSION, RESERVED_FEATURES
+from schemas.version import FORMAT_VERSION, KNOWN_FEATURES, RESERVED_FEATURES
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "spec" / "SPEC.md"
@@ -101,10 +101,22 @@ def test_every_kind_and_column_is_in_the_spec():
 
 
 def test_versions_and_features_are_in_the_spec():
+    """The title names the format version; every known or reserved feature has a row in §14's table
+    saying its status, every version a row in §13.1, and each known feature its own section."""
     text = SPEC.read_text()
     assert f"version {FORMAT_VERSION}" in text.splitlines()[0]
-    for feature in RESERVED_FEATURES:
-        assert f"| `{feature}` |" in text, feature
+    assert f"**Format version:** {FORMAT_VERSION}." in text
+    features = text[text.index("## 14. Features"):text.index("### 14.1 ")]
+    for feature in KNOWN_FEATURES | RESERVED_FEATURES:
+        row = next((line for line in features.splitlines() if line.startswith(f"| `{feature}` |")), None)
+        assert row is not None, feature
+        assert ("reserved" in row) == (feature in RESERVED_FEATURES), row
+    for feature in KNOWN_FEATURES:
+        assert re.search(rf"^### 14\.\d+ `{feature}` \(format \d+\.\d+\)$", text, re.MULTILINE), feature
+    changes = text[text.index("### 13.1 "):text.index("## 14. ")]
+    major, minor = (int(x) for x in FORMAT_VERSION.split("."))
+    for m in range(1, minor + 1):
+        assert f"\n| {major}.{m} | " in changes, f"§13.1 has no row for {major}.{m}"
     assert "RFC 2119" in text
     control = CONTROL.read_text()
     assert "version 1" in control.splitlines()[0]

@@ -21,7 +21,9 @@ A save does not read back the rows this adapter put: with ``write_once`` it keep
 (:mod:`coordinator.dataplane.tq.capture`), because TQ's own reads move every row's every field one
 tensor at a time (tens of MB/s). Only keys it did not put (another producer's, or past the capture's
 bound) are read with ``kv_batch_get``; a save's cut is a :class:`PlannedCut`, a plan of those rows,
-written window by window. A restore likewise returns once the snapshot's rows are read and kept:
+written window by window (or, in an incremental save, segment by segment: each new segment's rows
+are assembled from the plan only when it is written, and a segment the parent snapshot holds is
+not assembled at all). A restore likewise returns once the snapshot's rows are read and kept:
 a thread registers every key in TQ in order, then puts the values (:class:`BackgroundLoad`).
 
 What a restore does not bring back: TQ's global indexes themselves (new ones are allocated in key
@@ -56,17 +58,22 @@ from coordinator.dataplane.fields import (
     unify_specs,
 )
 from coordinator.dataplane.plane import DataPlane
+from coordinator.dataplane.row_kinds import training_misfit
 from coordinator.dataplane.rows_cut import CopiedCut, RowsCut
 from coordinator.dataplane.tq.capture import (
     DEFAULT_MAX_BYTES,
     PartitionPlan,
     RowCapture,
     assemble,
+    plan_full_fields,
+    plan_range,
+    plan_row_bytes,
     plan_source,
+    plan_specs,
 )
 from coordinator.dataplane.tq.client import DEFAULT_CALL_TIMEOUT_S, TQCalls, chunks
 from coordinator.dataplane.tq.tensors import from_tq, to_tq
-from coordinator.dataplane.writer import WrittenRows, write_sources
+from coordinator.dataplane.writer import ListedPartition, WrittenRows, write_sources
 from schemas.errors import InvalidRecordError
 
 log = logging.getLogger(__name__)
@@ -103,6 +110,10 @@ class TQDataPlane(DataPlane):
 
     def _tq(self) -> TQCalls:
         return TQCalls(self.call_timeout_s)
+
+    @property
+    def rows_write_once(self) -> bool:
+        return self.write_once
 
     # -------------------------------------------------------------------- cut
 
@@ -272,8 +283,9 @@ class TQDataPlane(DataPlane):
         """Create ``p``'s keys in order with their tags (and, ``with_values``, put every value too)."""
         if not p.keys:
             t.make_empty_partition(p.partition_id)
-        elif with_values and self._whole(p):
-            self._put_group(t, p, p.groups[0], with_tags=True, step=self.chunk_rows)
+        elif with_values and self._uniform(p):
+            for g in p.groups:  # consecutive runs of rows, in order: keys are created in the saved order
+                self._put_group(t, p, g, with_tags=True, step=self.chunk_rows)
         else:
             for s, step in chunks(len(p.keys), self.chunk_rows if with_values else self.load_chunk_rows):
                 t.put(p.partition_id, p.keys[s:s + step], None, [dict(x) for x in p.tags[s:s + step]])
@@ -283,8 +295,9 @@ class TQDataPlane(DataPlane):
     def _fill(self, t: TQCalls, p: PartitionRows, step: int, stop: threading.Event | None = None) -> None:
         """Put the values of ``p``, whose keys exist. A partition whose rows hold different fields is
         filled one field at a time, in the saved field order, so TQ registers its fields in that order."""
-        if self._whole(p):
-            self._put_group(t, p, p.groups[0], with_tags=False, step=step, stop=stop)
+        if self._uniform(p):
+            for g in p.groups:
+                self._put_group(t, p, g, with_tags=False, step=step, stop=stop)
             return
         for name in p.specs:
             for g in p.groups:
@@ -292,9 +305,18 @@ class TQDataPlane(DataPlane):
                     self._put_group(t, p, g, with_tags=False, only=name, step=step, stop=stop)
 
     @staticmethod
-    def _whole(p: PartitionRows) -> bool:
-        return bool(len(p.groups) == 1 and len(p.groups[0].rows) == len(p.keys)
-                    and np.all(p.groups[0].rows == np.arange(len(p.keys))) and p.groups[0].fields)
+    def _uniform(p: PartitionRows) -> bool:
+        """Whether every row holds the same fields, its groups consecutive runs of rows in order (one
+        group for a partition read whole; one per segment for a partition joined from segments), so
+        that each group is put with all its fields at once."""
+        names = set(p.groups[0].fields) if p.groups else set()
+        at = 0
+        for g in p.groups:
+            n = len(g.rows)
+            if not n or set(g.fields) != names or int(g.rows[0]) != at or int(g.rows[-1]) != at + n - 1:
+                return False
+            at += n
+        return bool(names) and at == len(p.keys)
 
     def _put_group(self, t: TQCalls, p: PartitionRows, g: RowGroup, with_tags: bool, only: str | None = None,
                    step: int = 0, stop: threading.Event | None = None) -> None:
@@ -437,6 +459,7 @@ class PlannedCut(RowsCut):
         self._taken_at = taken_at
         self.seconds = seconds
         self.held_bytes = 0  # the listing (keys and small tags) and references to rows kept anyway
+        self.write_once = True  # its rows are the adapter's write-once rows
 
     def materialize(self) -> CopiedCut:
         started = time.perf_counter()
@@ -453,6 +476,22 @@ class PlannedCut(RowsCut):
                                               for position, (plan, (missed, order)) in read)
         return write_sources(sources, part, compression)
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self._plane.kinds
+
+    def listed_partitions(self) -> list[ListedPartition]:
+        """Each partition's plan (its misses read from TQ first): its kind decided over the whole
+        partition, a segment's rows assembled from the plan only when that segment is written."""
+        out = []
+        for position, (plan, (missed, order)) in enumerate(zip(self._plans, self._read_misses())):
+            specs = plan_specs(plan, missed, order)
+            misfit = training_misfit(specs, plan_full_fields(plan, missed), plan.tags)
+            out.append(ListedPartition(plan.partition_id, plan.keys, self._plane.kind_with(plan.partition_id, misfit),
+                                       _segment_source(plan, missed, order, specs, position),
+                                       plan_row_bytes(plan, missed)))
+        return out
+
     def _read_misses(self) -> list[tuple[PartitionRows | None, list[str] | None]]:
         """The misses' rows (read from TQ), once every one of those keys is checked to still have its tag."""
         t = self._plane._tq()
@@ -468,6 +507,16 @@ class PlannedCut(RowsCut):
                 if current is None or any(current.get(k, _GONE) != listed[k] for k in keys):
                     raise DataPlaneChangedError(f"{_BROKEN}: partition {pid!r} no longer holds them as listed")
         return read
+
+
+def _segment_source(plan: PartitionPlan, missed: PartitionRows | None, order: list[str] | None,
+                    specs: dict[str, FieldSpec], position: int):
+    """Listed positions ``[start, stop)`` of ``plan`` as a source of their own (one segment), with the
+    whole partition's layouts."""
+    def source(start: int, stop: int):
+        sub, sub_missed = plan_range(plan, missed, start, stop)
+        return plan_source(sub, position, sub_missed, order, specs=specs)
+    return source
 
 
 _GONE = object()

@@ -344,11 +344,21 @@ def plan_as_json(plan: PartitionPlan, missed: PartitionRows | None, specs: Mappi
 
 def plan_source(plan: PartitionPlan, position: int, missed: PartitionRows | None = None,
                 field_order: Sequence[str] | None = None, window_rows: int = 65536,
-                window_bytes: int = 64 << 20) -> PartitionSource:
+                window_bytes: int = 64 << 20, specs: Mapping[str, FieldSpec] | None = None) -> PartitionSource:
     """The partition a plan describes as a :class:`PartitionSource`: its rows assembled window by window
     (at most ``window_rows`` rows and about ``window_bytes`` of captured values each), so that writing
-    it holds one window's copy of the values, not the partition's. ``missed`` is held whole."""
-    specs = plan_specs(plan, missed, field_order)
+    it holds one window's copy of the values, not the partition's. ``missed`` is held whole.
+
+    ``specs``: the layouts to give its fields (those its rows hold), when the plan is part of a
+    larger one (a segment of a partition: :func:`plan_range`), so that every segment says what the
+    whole partition is (a field ragged anywhere in it is ragged in each); default :func:`plan_specs`."""
+    if specs is None:
+        specs = plan_specs(plan, missed, field_order)
+    else:
+        held = {name for r in plan.runs for name in r.segment.specs}
+        if missed is not None:
+            held.update(name for g in missed.groups for name in g.fields)
+        specs = {name: spec for name, spec in specs.items() if name in held}
     n = len(plan.keys)
     covered = sum(r.length for r in plan.runs)
     captured = sum(r.segment.nbytes * r.length / max(len(r.segment.keys), 1) for r in plan.runs)
@@ -365,6 +375,24 @@ def plan_source(plan: PartitionPlan, position: int, missed: PartitionRows | None
     misfit = training_misfit(specs, plan_full_fields(plan, missed), plan.tags)
     return PartitionSource(plan.partition_id, int(position), n, specs, plan_as_json(plan, missed, specs),
                            tag_names(plan.tags), windows, misfit)
+
+
+def plan_range(plan: PartitionPlan, missed: PartitionRows | None, start: int, stop: int
+               ) -> tuple[PartitionPlan, PartitionRows | None]:
+    """Listed positions ``[start, stop)`` of a plan as a plan of their own (and its misses' rows),
+    renumbered from 0: one segment of an incremental save (values are views)."""
+    return _window(plan, [r.start for r in plan.runs], missed, start, stop)
+
+
+def plan_row_bytes(plan: PartitionPlan, missed: PartitionRows | None = None) -> float:
+    """About what one listed row of a plan takes in memory (its captured runs' and its misses' values)."""
+    n = len(plan.keys)
+    if not n:
+        return 0.0
+    total = sum(r.segment.nbytes * r.length / max(len(r.segment.keys), 1) for r in plan.runs)
+    if missed is not None:
+        total += sum(segment_bytes(g.fields) for g in missed.groups)
+    return total / n
 
 
 def plan_full_fields(plan: PartitionPlan, missed: PartitionRows | None = None) -> frozenset[str]:
@@ -403,4 +431,5 @@ def _window(plan: PartitionPlan, run_starts: Sequence[int], missed: PartitionRow
 
 
 __all__ = ["COALESCE_ROWS", "DEFAULT_MAX_BYTES", "PartitionPlan", "RowCapture", "Run", "Segment", "assemble",
-           "plan_as_json", "plan_full_fields", "plan_source", "plan_specs", "segment_bytes"]
+           "plan_as_json", "plan_full_fields", "plan_range", "plan_row_bytes", "plan_source", "plan_specs",
+           "segment_bytes"]

@@ -110,14 +110,6 @@ class TQHarness(Harness):
         return out
 
 
-@pytest.fixture
-def tq_plane(tq_runtime) -> TQDataPlane:
-    plane = TQDataPlane(token_capture_partitions={TOKEN_PARTITION})
-    plane.clear()
-    yield plane
-    plane.clear()
-
-
 class TestTQContract(DataPlaneContract):
     """Rows put straight into TQ by another producer: every save reads them back out of TQ."""
 
