@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STORE ?= demo-store
 
-.PHONY: venv demo format-demo test bench schemas clean fuzz soak
+.PHONY: venv demo cluster-demo format-demo test bench schemas clean fuzz soak
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt requirements-gym-test.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/python -m devtools.demo --store "$(STORE)"
 
+# A head and two worker Ray nodes on this machine (ray start), SeaweedFS, Gym hosts 127.0.0.2/.3:
+# a whole-job crash and the loss of worker machine tq, each restarted and checked (devtools/cluster.py).
+cluster-demo: venv
+	$(BIN)/python -m devtools.cluster $(CLUSTER_ARGS)
+
 format-demo: venv
 	$(BIN)/python -m snapformat.demo --store "$(STORE)-format"
 
@@ -30,8 +35,11 @@ soak: venv
 	OBJECTS_CRASH_WALK=400 OBJECTS_RACE_ROUNDS=100 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/snapformat/test_objects_crash.py tests/snapformat/test_objects_race.py
 	$(BIN)/python -m devtools.soak --minutes $(or $(SOAK_MINUTES),10)
+	CLUSTER_SOAK=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/coordinator/test_cluster.py
 
 bench: venv
+	BENCH_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/benchmarks/test_incremental_bench.py \
+		tests/benchmarks/test_new_sections.py
 	$(BIN)/python -m benchmarks.run
 
 schemas: venv

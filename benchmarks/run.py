@@ -135,6 +135,20 @@ def _token_store_section(opts: argparse.Namespace, say: Callable[[str], None]) -
     return token_store_bench.markdown(result), result
 
 
+def _scale_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import scale_bench
+
+    result = scale_bench.run(scale_bench.QUICK_POINTS if opts.quick else scale_bench.FULL_POINTS, opts.quick,
+                             log=say, workdir=opts.scratch)
+    return scale_bench.markdown(result, scale_bench.plot(result, opts.results)), result
+
+
+def _parked_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tuple[str, dict]:
+    from benchmarks import parked_bench
+
+    return parked_bench.section(opts, say)
+
+
 #: name -> section runner; each returns (markdown body, JSON-able data). ``restore`` restores the
 #: snapshots ``pause`` published in this process (run alone, it takes the pause measurements first).
 SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[str, dict]]] = {
@@ -147,6 +161,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], tuple[
     "discovery": _discovery_section,
     "memory": _memory_section,
     "incremental": _incremental_section,
+    "scale": _scale_section,
+    "parked": _parked_section,
     "token_store": _token_store_section,
 }
 

@@ -68,6 +68,16 @@ __all__ = ["NemoGym", "remote"]
 CONTROL_TIMEOUT_S = 60.0  # calls without a deadline of their own (capabilities, acknowledgements, rollouts)
 MAX_PARALLEL_STARTS = 16
 KEEPALIVE_EXPIRY_S = 2.0  # below any server's keep-alive (uvicorn's default is 5 s)
+#: Connections of the actor's HTTP pool: one per server plus the rollout starts in flight, so a step's
+#: fan-out (every server of a component called at once) is never queued behind the pool. A fixed 32
+#: made the 33rd agent's prepare wait for an earlier agent to finish parking: with 100 agents the
+#: prepare took about 4 agents' parking times one after the other. Bounded: at most MAX_CONNECTIONS.
+MIN_CONNECTIONS, MAX_CONNECTIONS = 32, 1024
+
+
+def pool_size(servers: int) -> int:
+    """The HTTP pool's connections for ``servers`` Gym servers (see :data:`MAX_CONNECTIONS`)."""
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, servers + MAX_PARALLEL_STARTS))
 
 
 def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -105,7 +115,8 @@ class NemoGym:
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
-                max_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S))
+                max_connections=pool_size(len(self._servers)), max_keepalive_connections=pool_size(len(self._servers)),
+                keepalive_expiry=KEEPALIVE_EXPIRY_S))  # kept alive, every server's (httpx keeps 20 by default)
         return self._http
 
     async def close(self) -> None:

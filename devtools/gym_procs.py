@@ -1,9 +1,10 @@
 """Launching reference Gym servers as real processes (for tests and the demo), and killing them.
 
-Each server is its own process running ``refgym.serve`` (uvicorn on 127.0.0.1): either a fresh
-``python -m refgym.serve``, or a fork of a :class:`~devtools.gym_forkserver.ForkServer` that has already
-imported the code (much faster to start; the same server code runs). A server reports the port it
-bound through a port file and is ready once ``GET /healthz`` answers. Every wait is bounded.
+Each server is its own process running ``refgym.serve`` (uvicorn on 127.0.0.1, or on another
+loopback address standing for another host: ``host``): either a fresh ``python -m refgym.serve``, or a
+fork of a :class:`~devtools.gym_forkserver.ForkServer` that has already imported the code (much faster
+to start; the same server code runs). A server reports the port it bound through a port file and is
+ready once ``GET /healthz`` answers. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import httpx
 from devtools.gym_forkserver import ForkServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCALHOST = "127.0.0.1"
+#: The four servers of a deployment, as :func:`start_servers` names them (the keys of its ``hosts``).
+ROLES = ("model", "agent", "resource", "sandbox")
 BIND_ATTEMPTS = 3  # starts of a deployment whose pre-picked port another process took meanwhile
 
 
@@ -52,6 +56,7 @@ class ServerProcess:
     popen: subprocess.Popen | None = None  # None when forked by a fork server (which reaps it)
     port: int | None = None
     started: str | None = None  # start time of a forked process (see _proc_stat)
+    host: str = LOCALHOST  # the address it listens on (another loopback address stands for another host)
 
     def __post_init__(self) -> None:
         if self.popen is None and (stat := _proc_stat(self.pid)) is not None:
@@ -60,7 +65,7 @@ class ServerProcess:
     @property
     def url(self) -> str:
         assert self.port is not None, "not ready yet"
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def alive(self) -> bool:
         if self.popen is not None:
@@ -111,14 +116,16 @@ def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: 
            slow_ms: int = 0, commit_delay_ms: int = 0, model_url: str | None = None,
            resource_url: str | None = None, sandbox_url: str | None = None, tool: str = "notes",
            forkserver: ForkServer | None = None, test_faults: bool = False,
-           token_store: str | None = None) -> ServerProcess:
-    """Start one server process (not yet ready: call :meth:`ServerProcess.wait_ready`)."""
+           token_store: str | None = None, host: str = LOCALHOST) -> ServerProcess:
+    """Start one server process listening on ``host`` (not yet ready: call :meth:`ServerProcess.wait_ready`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     stem = f"{component}-{name}-{time.monotonic_ns()}"
     port_file, log_path = workdir / f"{stem}.port", workdir / f"{stem}.log"
     argv = ["--component", component, "--name", name, "--port", str(port), "--port-file", str(port_file),
             "--token-file", str(token_file), "--seed", str(seed), "--slow-ms", str(slow_ms),
             "--commit-delay-ms", str(commit_delay_ms), "--tool", tool]
+    if host != LOCALHOST:
+        argv += ["--host", host]
     if model_url:
         argv += ["--model-url", model_url]
     if resource_url:
@@ -130,13 +137,13 @@ def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: 
     if token_store:
         argv += ["--token-store", token_store]
     if forkserver is not None:
-        return ServerProcess(component, name, forkserver.spawn(argv, log_path), port_file, log_path)
+        return ServerProcess(component, name, forkserver.spawn(argv, log_path), port_file, log_path, host=host)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:
         popen = subprocess.Popen([sys.executable, "-m", "refgym.serve", *argv], cwd=REPO_ROOT, env=env, stdout=log,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return ServerProcess(component, name, popen.pid, port_file, log_path, popen=popen)
+    return ServerProcess(component, name, popen.pid, port_file, log_path, popen=popen, host=host)
 
 
 @dataclass
@@ -154,10 +161,21 @@ class GymServers:
         return [self.model, self.agent, self.resource, self.sandbox]
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that is free right now (the kernel picks it; it is not handed out again at once)."""
+def bindable(host: str) -> bool:
+    """Whether this machine can listen on ``host`` (another loopback address, 127.0.0.2, ..., stands
+    for another host in the tests)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def free_port(host: str = LOCALHOST) -> int:
+    """A port on ``host`` that is free right now (the kernel picks it; it is not handed out again at once)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -165,18 +183,23 @@ def start_servers(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_
                   resource_slow_ms: int = 0, commit_delay_ms: int = 0, model_name: str = "policy0",
                   agent_name: str = "agent0", resource_name: str = "tools", sandbox_name: str = "sandbox",
                   forkserver: ForkServer | None = None, timeout: float = 30.0, test_faults: bool = False,
-                  token_store: str | None = None) -> GymServers:
-    """Start the four servers at once (the agent is told the others' ports up front) and wait for all.
+                  token_store: str | None = None, hosts: dict[str, str] | None = None) -> GymServers:
+    """Start the four servers at once (the agent is told the others' addresses up front) and wait for all.
 
     ``token_store``: where the model server captures each call's TokenEntry (none when not given).
+    ``hosts``: the address each server listens on, by role (:data:`ROLES`; 127.0.0.1 for a role not
+    given): other loopback addresses (127.0.0.2, ...) stand for other hosts.
     """
+    unknown = set(hosts or {}) - set(ROLES)
+    if unknown:
+        raise ValueError(f"hosts: unknown roles {sorted(unknown)} (expected some of {', '.join(ROLES)})")
     for attempt in range(1, BIND_ATTEMPTS + 1):
         try:
             return _start_servers_once(workdir, token_file, seed=seed, model_slow_ms=model_slow_ms,
                                        resource_slow_ms=resource_slow_ms, commit_delay_ms=commit_delay_ms,
                                        model_name=model_name, agent_name=agent_name, resource_name=resource_name,
                                        sandbox_name=sandbox_name, forkserver=forkserver, timeout=timeout,
-                                       test_faults=test_faults, token_store=token_store)
+                                       test_faults=test_faults, token_store=token_store, hosts=hosts or {})
         except ServerFailed as exc:
             # The ports are picked before the servers bind them (the agent is told them up front): another
             # process may take one in between. Then all four start again on fresh ports.
@@ -188,19 +211,21 @@ def start_servers(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_
 def _start_servers_once(workdir: Path, token_file: Path, *, seed: int, model_slow_ms: int, resource_slow_ms: int,
                         commit_delay_ms: int, model_name: str, agent_name: str, resource_name: str,
                         sandbox_name: str, forkserver: ForkServer | None, timeout: float, test_faults: bool,
-                        token_store: str | None) -> GymServers:
-    model_port, resource_port, sandbox_port = free_port(), free_port(), free_port()
+                        token_store: str | None, hosts: dict[str, str]) -> GymServers:
+    host = {role: hosts.get(role, LOCALHOST) for role in ROLES}
+    model_port, resource_port = free_port(host["model"]), free_port(host["resource"])
+    sandbox_port = free_port(host["sandbox"])
     common = {"forkserver": forkserver}
     started = [
         launch("model", model_name, workdir, token_file, port=model_port, seed=seed, slow_ms=model_slow_ms,
-               commit_delay_ms=commit_delay_ms, token_store=token_store, **common),
+               commit_delay_ms=commit_delay_ms, token_store=token_store, host=host["model"], **common),
         launch("resource", resource_name, workdir, token_file, port=resource_port, slow_ms=resource_slow_ms,
-               test_faults=test_faults, **common),
+               test_faults=test_faults, host=host["resource"], **common),
         launch("resource", sandbox_name, workdir, token_file, port=sandbox_port, slow_ms=resource_slow_ms,
-               tool="sandbox", **common),
-        launch("agent", agent_name, workdir, token_file, model_url=f"http://127.0.0.1:{model_port}",
-               resource_url=f"http://127.0.0.1:{resource_port}", sandbox_url=f"http://127.0.0.1:{sandbox_port}",
-               **common),
+               tool="sandbox", host=host["sandbox"], **common),
+        launch("agent", agent_name, workdir, token_file, model_url=f"http://{host['model']}:{model_port}",
+               resource_url=f"http://{host['resource']}:{resource_port}",
+               sandbox_url=f"http://{host['sandbox']}:{sandbox_port}", host=host["agent"], **common),
     ]
     try:
         for s in started:

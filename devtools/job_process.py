@@ -32,9 +32,10 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[3])
 
 
-def process_tree(root: int) -> list[int]:
+def process_tree(root: int, session: int | None = None) -> list[int]:
     """``root``, its descendants, and, when ``root`` leads a session of its own (as a job started by
-    :class:`JobProcess` does), every process left in that session (reparented ones too)."""
+    :class:`JobProcess` does), every process left in that session (reparented ones too). ``session``:
+    a session id to sweep as well, known to be ours (``root``'s own, once ``root`` has exited)."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (st := _stat(int(entry))) is not None:
@@ -42,6 +43,8 @@ def process_tree(root: int) -> list[int]:
     found = {root}
     if table.get(root, (0, -1))[1] == root:
         found |= {pid for pid, (_, sid) in table.items() if sid == root}
+    if session is not None:
+        found |= {pid for pid, (_, sid) in table.items() if sid == session}
     changed = True
     while changed:
         changed = False
@@ -90,10 +93,21 @@ class JobProcess:
             value = predicate()
             if value:
                 return value
-            if self.popen.poll() is not None:
+            if self.exited():
+                self.kill()  # what it left in its session, then reaped
                 raise RuntimeError(f"job exited ({self.popen.returncode}) before {what}:\n{self.tail()}")
             time.sleep(0.1)
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}:\n{self.tail()}")
+
+    def exited(self) -> bool:
+        """Whether the job's process has exited, without reaping it (its pid, which is also its
+        session's id, stays reserved for :meth:`kill` to find what it left)."""
+        if self.popen.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -102,8 +116,15 @@ class JobProcess:
             return "(no log)"
 
     def kill(self) -> list[int]:
-        """SIGKILL the whole job at once; returns the pids killed. Waits until they are gone."""
-        pids = process_tree(self.pid)
+        """SIGKILL the whole job at once (what is left of it, if it has exited) and reap it; returns
+        the pids signalled. Waits until they are gone. Once the job has been reaped its pid may belong
+        to another process: nothing is signalled then (reaping here, or in :meth:`wait`, came after
+        the sweep)."""
+        if self.popen.returncode is not None:
+            return []
+        # The job leads a session of its own (start_new_session) and its pid stays reserved until
+        # reaped below: its descendants and whatever it left in that session are found.
+        pids = process_tree(self.pid, session=self.pid)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -113,17 +134,21 @@ class JobProcess:
         end = time.monotonic() + 30
         while any(_stat(p) is not None and not _zombie(p) for p in pids) and time.monotonic() < end:
             time.sleep(0.05)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
         return pids
 
     def wait(self, timeout: float) -> int:
-        try:
-            rc = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise TimeoutError(f"job still running after {timeout}s (killed):\n{self.tail()}") from None
-        self._log.close()
-        return rc
+        """The job's exit code once it exits; whatever it left in its session (a server it did not
+        stop) is SIGKILLed as it is reaped. Past ``timeout`` it is killed whole: TimeoutError."""
+        end = time.monotonic() + timeout
+        while not self.exited():
+            if time.monotonic() > end:
+                self.kill()
+                raise TimeoutError(f"job still running after {timeout}s (killed):\n{self.tail()}")
+            time.sleep(0.05)
+        self.kill()
+        return self.popen.returncode
 
     def outcome(self) -> dict[str, Any]:
         assert self.outcome_path is not None

@@ -8,13 +8,23 @@ A participant handed a ``checkpoint_dir`` writes only into its own folder of it:
                                              manifest.json
     resources/<server_name>/                 <rid>.a<n>.json, manifest.json
 
-Every file goes temp -> write -> fsync -> rename -> folder fsync (:func:`atomic_write`, shared with
-snapformat, which writes a part it downloads the same way), and the
-manifest is written last, so a folder with a manifest is whole. JSON-lines rows are compact JSON in
+A commit writes its data files together (:class:`DurableFiles`, shared with snapformat): each goes
+temp -> write -> fsync -> rename, the fsyncs in parallel on a few threads, then each folder touched
+is fsynced once; only then is the manifest written (temp -> fsync -> rename -> folder fsync,
+:func:`atomic_write`), so a folder with a manifest is whole and a manifest is never durable before
+a file it names. JSON-lines rows are compact JSON in
 declaration order with no spaces, each followed by ``\\n``; an :class:`ArtifactRef` binds such a
 file by the SHA-256 of every byte, its size and its number of rows. Manifests are
 ``json.dumps(..., sort_keys=True, indent=N)`` (agent and resources indent 2, ledger indent 1), and
 ``manifest_digest`` is the SHA-256 hex of their exact bytes.
+
+A commit streams its records instead of building the folder whole: an agent's archives are packed
+and handed to the writer one at a time as they fill (records given as an iterator in Gym's order
+are never all held), JSON-lines files are encoded, hashed and written a chunk of rows at a time
+(``snapformat.gym_dir.JsonlChunks``), and a ledger's lineage files are asked for one after the
+other. What stays in memory grows with the rollouts only as the manifest does (one small entry per
+file) plus the index and continuation rows. Reading back, archives are checked and decoded one at
+a time (:func:`iter_agent_dir` for readers that keep only a little of each record).
 
 Nothing here knows about snapshots: the files are the same on local disk inside a draft and in a
 staging folder that is uploaded afterwards. The bytes are built and the checks on reading made by
@@ -25,13 +35,14 @@ that adopts it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
+from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError
 from schemas.gym_files import (
     AGENT_ARCHIVE_MAX_BYTES,
     AGENT_ARCHIVE_MAX_MEMBERS,
@@ -58,8 +69,10 @@ from schemas.gym_files import (
 )
 from schemas.gym_records import AgentContinuationRoot
 from snapformat.gym_dir import (
+    DurableFiles,
     atomic_write,
     check_folder,
+    continuation_root,
     continuation_roots,
     continuation_roots_sha256,
     decode_strict,
@@ -68,6 +81,7 @@ from snapformat.gym_dir import (
     manifest_bytes,
     read_ref_rows,
     read_tar_members,
+    root_order,
     sha256_hex,
     tar_bytes,
     write_jsonl,
@@ -75,10 +89,11 @@ from snapformat.gym_dir import (
 )
 
 __all__ = [
-    "LINEAGE_SUFFIX", "atomic_write", "check_ledger_roots", "continuation_roots", "continuation_roots_sha256",
-    "jsonl_bytes", "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_jsonl",
-    "read_ledger_dir", "read_resources_dir", "record_json", "write_agent_archives", "write_agent_dir", "write_jsonl",
-    "write_ledger_dir", "write_manifest", "write_resources_dir",
+    "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "continuation_roots",
+    "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "jsonl_bytes",
+    "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_jsonl", "read_ledger_dir",
+    "read_resources_dir", "record_json", "stream_agent_archives", "write_agent_archives", "write_agent_dir",
+    "write_jsonl", "write_ledger_dir", "write_manifest", "write_resources_dir",
 ]
 
 #: ``<capture_key>.lineage.jsonl``: a byte copy of a rollout's live lineage file in the ledger folder.
@@ -101,96 +116,165 @@ def record_json(record: AgentBoundaryRecord | ResourceSnapshot) -> bytes:
     return document_bytes(record, sort_keys=False, indent=2)
 
 
-def write_agent_archives(folder: str | os.PathLike[str], records: Iterable[AgentBoundaryRecord]
-                         ) -> tuple[list[AgentArchive], list[AgentIndexEntry]]:
+def write_agent_archives(folder: str | os.PathLike[str], records: Iterable[AgentBoundaryRecord],
+                         out: DurableFiles | None = None) -> tuple[list[AgentArchive], list[AgentIndexEntry]]:
     """Write ``records`` into ``folder`` as ``agent-part-000000.tar``, ... and return the archives
     (for the manifest) and the index rows (for ``agent-index.jsonl``).
 
     Records go in (rollout_id, attempt_index) order, one member ``<rid>.a<n>.json`` each
     (:func:`record_json`); an archive takes at most 512 members and 64 MiB of member bytes (a
-    larger record gets an archive of its own). Archives this call did not write (left by an
-    earlier, larger commit into the same folder) are removed.
+    larger record gets an archive of its own). A list or tuple is sorted first; any other iterable
+    must already come in that order (:func:`in_gym_order`), and is then consumed as it comes. Each
+    archive is built and handed to the writer as soon as it is full, so the member bytes of at most
+    one archive are held at a time. Archives this call did not write (left by an earlier, larger
+    commit into the same folder) are removed. The archives go into ``out`` (durable when its block
+    ends), else into a :class:`DurableFiles` of their own (durable when this returns).
     """
     folder = Path(folder)
-    ordered = sorted(records, key=lambda r: (r.rollout_id, r.attempt_index))
-    shards: list[list[tuple[AgentBoundaryRecord, str, bytes]]] = []
+    index: list[AgentIndexEntry] = []
+    if out is None:
+        with DurableFiles() as own:
+            return stream_agent_archives(folder, in_gym_order(records), own, index.extend), index
+    return stream_agent_archives(folder, in_gym_order(records), out, index.extend), index
+
+
+def in_gym_order(records: Iterable[AgentBoundaryRecord]) -> Iterator[AgentBoundaryRecord]:
+    """``records`` in Gym's archive order, (rollout_id, attempt_index), one per attempt.
+
+    A list or tuple is sorted (its records are in memory already; only references are copied) and
+    a repeated attempt refused before any is yielded. Any other iterable is checked as it is
+    consumed: a record out of order or repeated raises :class:`InvalidRecordError` there (archives
+    already handed to a :class:`DurableFiles` then belong to no manifest)."""
+    if isinstance(records, (list, tuple)):
+        ordered = sorted(records, key=lambda r: (r.rollout_id, r.attempt_index))
+        for prev, rec in itertools.pairwise(ordered):
+            if (prev.rollout_id, prev.attempt_index) == (rec.rollout_id, rec.attempt_index):
+                raise InvalidRecordError(f"agent records: ({rec.rollout_id!r}, {rec.attempt_index}) appears twice "
+                                         "(expected one boundary record per attempt)")
+        return iter(ordered)
+    return _checked_order(records)
+
+
+def _checked_order(records: Iterable[AgentBoundaryRecord]) -> Iterator[AgentBoundaryRecord]:
+    last: tuple[str, int] | None = None
+    for rec in records:
+        key = (rec.rollout_id, rec.attempt_index)
+        if last is not None and key <= last:
+            what = "appears twice (expected one boundary record per attempt)" if key == last else \
+                f"comes after {last} (records given as an iterator must be in (rollout_id, attempt_index) order)"
+            raise InvalidRecordError(f"agent records: ({rec.rollout_id!r}, {rec.attempt_index}) {what}")
+        last = key
+        yield rec
+
+
+def stream_agent_archives(folder: Path, ordered: Iterable[AgentBoundaryRecord], out: DurableFiles,
+                          on_index: Callable[[list[AgentIndexEntry]], None],
+                          on_record: Callable[[AgentBoundaryRecord], None] | None = None) -> list[AgentArchive]:
+    """The archives of ``ordered`` (already in Gym's order, :func:`in_gym_order`), each written into
+    ``out`` once full; ``on_index`` gets each archive's index rows when it is written, ``on_record``
+    each record as it is packed. Returns the archives (for the manifest); stale archives of an
+    earlier commit into ``folder`` are removed."""
+    archives: list[AgentArchive] = []
     current: list[tuple[AgentBoundaryRecord, str, bytes]] = []
     payload = 0
-    seen: set[tuple[str, int]] = set()
     for rec in ordered:
-        if (rec.rollout_id, rec.attempt_index) in seen:
-            raise InvalidRecordError(f"agent records: ({rec.rollout_id!r}, {rec.attempt_index}) appears twice "
-                                     "(expected one boundary record per attempt)")
-        seen.add((rec.rollout_id, rec.attempt_index))
         data = record_json(rec)
         if current and (len(current) >= AGENT_ARCHIVE_MAX_MEMBERS or payload + len(data) > AGENT_ARCHIVE_MAX_BYTES):
-            shards.append(current)
+            on_index(_write_shard(folder, len(archives), current, out, archives))
             current, payload = [], 0
         current.append((rec, attempt_member(rec.rollout_id, rec.attempt_index), data))
         payload += len(data)
+        if on_record is not None:
+            on_record(rec)
     if current:
-        shards.append(current)
-    archives: list[AgentArchive] = []
-    index: list[AgentIndexEntry] = []
-    for i, shard in enumerate(shards):
-        name = agent_archive_name(i)
-        tar = tar_bytes([(member, data) for _, member, data in shard])
-        atomic_write(folder / name, tar)
-        archives.append(AgentArchive(name=name, sha256=sha256_hex(tar), members=len(shard), bytes=len(tar)))
-        index.extend(AgentIndexEntry(rollout_id=rec.rollout_id, attempt_index=rec.attempt_index, archive=name,
-                                     member=member, sha256=sha256_hex(data), bytes=len(data))
-                     for rec, member, data in shard)
+        on_index(_write_shard(folder, len(archives), current, out, archives))
     written = {a.name for a in archives}
     if folder.is_dir():
         for stale in sorted(p for p in folder.iterdir() if _ARCHIVE_RE.match(p.name) and p.name not in written):
-            try:
-                stale.unlink()
-            except OSError as exc:
-                raise StoreError(f"{stale}: cannot remove an archive of an earlier commit: {exc}") from exc
-    return archives, index
+            out.remove(stale)
+    return archives
+
+
+def _write_shard(folder: Path, i: int, shard: list[tuple[AgentBoundaryRecord, str, bytes]], out: DurableFiles,
+                 archives: list[AgentArchive]) -> list[AgentIndexEntry]:
+    name = agent_archive_name(i)
+    tar = tar_bytes([(member, data) for _, member, data in shard])
+    out.add(folder / name, tar)
+    archives.append(AgentArchive(name=name, sha256=sha256_hex(tar), members=len(shard), bytes=len(tar)))
+    return [AgentIndexEntry(rollout_id=rec.rollout_id, attempt_index=rec.attempt_index, archive=name, member=member,
+                            sha256=sha256_hex(data), bytes=len(data)) for rec, member, data in shard]
 
 
 def read_agent_archives(folder: str | os.PathLike[str], archives: list[AgentArchive],
                         index: list[AgentIndexEntry]) -> list[AgentBoundaryRecord]:
     """The boundary records ``index`` names, in index order: each archive's ``sha256`` and
     ``bytes``, each member's ``sha256`` and ``bytes`` against its row, and each record decoded
-    strictly with the row's rollout id and attempt."""
+    strictly with the row's rollout id and attempt. The archives are read one at a time: the
+    bytes of one archive are held at once, not those of every archive."""
     folder = Path(folder)
+    records: list[AgentBoundaryRecord | None] = [None] * len(index)
+    for positions, rec in _archive_records(folder, archives, index):
+        records[positions] = rec
+    return records  # type: ignore[return-value]
+
+
+def iter_agent_records(folder: str | os.PathLike[str], archives: list[AgentArchive],
+                       index: list[AgentIndexEntry]) -> Iterator[AgentBoundaryRecord]:
+    """The records of :func:`read_agent_archives`, checked the same way, but yielded archive by
+    archive (in each archive, in index order) and never all held: for a reader that keeps only
+    what it needs of each record."""
+    for _, rec in _archive_records(Path(folder), archives, index):
+        yield rec
+
+
+def _archive_records(folder: Path, archives: list[AgentArchive], index: list[AgentIndexEntry]
+                     ) -> Iterator[tuple[int, AgentBoundaryRecord]]:
+    """(index position, record) for every index row, archive after archive, each archive checked
+    (bytes, sha256, members) before its rows are decoded."""
     known = {a.name: a for a in archives}
-    members: dict[str, dict[str, bytes]] = {}
+    rows_of: dict[str, list[int]] = {name: [] for name in known}
+    for n, row in enumerate(index):
+        if row.archive not in rows_of:
+            raise CorruptSnapshotError(f"{folder / AGENT_INDEX_NAME}: row {n + 1}: archive {row.archive!r} is not "
+                                       "among the manifest's archives")
+        rows_of[row.archive].append(n)
     for name, archive in known.items():
-        path = folder / name
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise CorruptSnapshotError(f"{path}: missing, but the manifest lists archive {name!r}") from None
-        if len(data) != archive.bytes:
-            raise CorruptSnapshotError(f"{path}: bytes is {len(data)}, the manifest's archive expects {archive.bytes}")
-        if sha256_hex(data) != archive.sha256:
-            raise CorruptSnapshotError(f"{path}: sha256 is {sha256_hex(data)}, the manifest's archive expects "
-                                       f"{archive.sha256}")
-        members[name] = read_tar_members(path)
-        if len(members[name]) != archive.members:
-            raise CorruptSnapshotError(f"{path}: has {len(members[name])} members, the manifest's archive expects "
-                                       f"{archive.members}")
-    records = []
-    for n, row in enumerate(index, 1):
-        at = f"{folder / AGENT_INDEX_NAME}: row {n}"
-        if row.archive not in members:
-            raise CorruptSnapshotError(f"{at}: archive {row.archive!r} is not among the manifest's archives")
-        data = members[row.archive].get(row.member)
-        where = f"{folder / row.archive}: member {row.member!r}"
-        if data is None:
-            raise CorruptSnapshotError(f"{where}: missing, but {at} indexes it")
-        if len(data) != row.bytes or sha256_hex(data) != row.sha256:
-            raise CorruptSnapshotError(f"{where}: {len(data)} bytes with sha256 {sha256_hex(data)}, {at} expects "
-                                       f"{row.bytes} bytes with sha256 {row.sha256}")
-        rec = decode_strict(data, AgentBoundaryRecord, where)
-        if (rec.rollout_id, rec.attempt_index) != (row.rollout_id, row.attempt_index):
-            raise CorruptSnapshotError(f"{where}: holds ({rec.rollout_id!r}, {rec.attempt_index}), {at} expects "
-                                       f"({row.rollout_id!r}, {row.attempt_index})")
-        records.append(rec)
-    return records
+        members = _checked_archive(folder / name, archive)
+        for n in rows_of[name]:
+            row = index[n]
+            at = f"{folder / AGENT_INDEX_NAME}: row {n + 1}"
+            data = members.get(row.member)
+            where = f"{folder / row.archive}: member {row.member!r}"
+            if data is None:
+                raise CorruptSnapshotError(f"{where}: missing, but {at} indexes it")
+            if len(data) != row.bytes or sha256_hex(data) != row.sha256:
+                raise CorruptSnapshotError(f"{where}: {len(data)} bytes with sha256 {sha256_hex(data)}, {at} expects "
+                                           f"{row.bytes} bytes with sha256 {row.sha256}")
+            rec = decode_strict(data, AgentBoundaryRecord, where)
+            if (rec.rollout_id, rec.attempt_index) != (row.rollout_id, row.attempt_index):
+                raise CorruptSnapshotError(f"{where}: holds ({rec.rollout_id!r}, {rec.attempt_index}), {at} expects "
+                                           f"({row.rollout_id!r}, {row.attempt_index})")
+            yield n, rec
+        del members
+
+
+def _checked_archive(path: Path, archive: AgentArchive) -> dict[str, bytes]:
+    """The members of one archive the manifest lists, after its ``bytes``, ``sha256`` and ``members``."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{path}: missing, but the manifest lists archive {archive.name!r}") from None
+    if len(data) != archive.bytes:
+        raise CorruptSnapshotError(f"{path}: bytes is {len(data)}, the manifest's archive expects {archive.bytes}")
+    if sha256_hex(data) != archive.sha256:
+        raise CorruptSnapshotError(f"{path}: sha256 is {sha256_hex(data)}, the manifest's archive expects "
+                                   f"{archive.sha256}")
+    del data
+    members = read_tar_members(path)
+    if len(members) != archive.members:
+        raise CorruptSnapshotError(f"{path}: has {len(members)} members, the manifest's archive expects "
+                                   f"{archive.members}")
+    return members
 
 
 # -- manifests (built and written by snapformat.gym_dir.manifest_bytes, write_manifest) ------------------------
@@ -212,35 +296,56 @@ def write_agent_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, 
     ``{records, manifest_digest, continuation_index}``."""
     base = agent_instance_dir(instance_name)
     folder = Path(checkpoint_dir) / base
-    records = list(records)
-    archives, index = write_agent_archives(folder, records)
-    record_index = write_jsonl(checkpoint_dir, f"{base}/{AGENT_INDEX_NAME}", index)
-    roots = continuation_roots(records) if roots is None else list(roots)
-    continuation_index = write_jsonl(checkpoint_dir, f"{base}/{CONTINUATIONS_NAME}", roots)
+    derived: list[AgentContinuationRoot] = []
+
+    def root_of(rec: AgentBoundaryRecord) -> None:
+        if roots is None and (root := continuation_root(rec)) is not None:
+            derived.append(root)
+
+    # Streamed: each archive is written when full and its index rows kept as small structs, so the
+    # member bytes of one archive are held at a time (``records`` given as an ordered iterator are
+    # never all held). agent-index.jsonl is written after the archives: its rows name them.
+    index: list[AgentIndexEntry] = []
+    with DurableFiles() as out:  # every file durable, each folder fsynced once, before the manifest
+        archives = stream_agent_archives(folder, in_gym_order(records), out, index.extend, root_of)
+        record_index = write_jsonl(checkpoint_dir, f"{base}/{AGENT_INDEX_NAME}", index, out)
+        del index
+        continuation_index = write_jsonl(checkpoint_dir, f"{base}/{CONTINUATIONS_NAME}",
+                                         sorted(derived, key=root_order) if roots is None else roots, out)
     manifest = AgentManifest(checkpoint_id=checkpoint_id, instance_name=instance_name, archives=archives,
-                             record_index=record_index, records=len(index), continuation_index=continuation_index)
+                             record_index=record_index, records=record_index.records,
+                             continuation_index=continuation_index)
     return manifest, write_manifest(folder, manifest)
 
 
 def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, server_name: str, *,
-                     lineages: Mapping[str, bytes], storage_references: Iterable[ExternalStorageReference],
+                     lineages: Mapping[str, bytes] | Iterable[tuple[str, bytes]],
+                     storage_references: Iterable[ExternalStorageReference],
                      roots: Iterable[AgentContinuationRoot], excluded_inactive: int = 0,
                      tombstones: Iterable[AttemptEntry] = (),
                      source_attempts: Iterable[AttemptEntry] = ()) -> tuple[LedgerManifest, str]:
     """A model server's ledger folder: ``<capture_key>.lineage.jsonl`` for each of ``lineages``
-    (capture key -> the live file's bytes, copied as they are), ``storage-references.jsonl`` (rows
-    in the given order), then ``manifest.json``. ``rollouts[key]`` lists its file by name with its
+    (capture key -> the live file's bytes, copied as they are; a mapping or ``(key, bytes)`` pairs,
+    each written as it comes), ``storage-references.jsonl`` (rows in the given order, streamed),
+    then ``manifest.json``. ``rollouts[key]`` lists its file by name with its
     SHA-256, non-blank ``rows`` and ``bytes``; ``roots`` (the agents' continuation indexes) give
     ``continuation_roots`` and ``continuation_roots_sha256``."""
     base = ledger_dir(server_name)
     folder = Path(checkpoint_dir) / base
-    rollouts = {}
-    for key, data in sorted(lineages.items()):
-        name = f"{key}{LINEAGE_SUFFIX}"
-        atomic_write(folder / name, data)
-        rows = sum(1 for line in data.split(b"\n") if line.strip())
-        rollouts[key] = LedgerRollout(files={name: sha256_hex(data)}, rows=rows, bytes=len(data))
-    refs = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", storage_references)
+    rollouts: dict[str, LedgerRollout] = {}
+    # Each lineage's bytes are asked for, written and dropped in turn (a Mapping that builds them on
+    # access, or (key, bytes) pairs from a generator, is never held whole); the order of writing does
+    # not matter: the manifest sorts its keys.
+    items = lineages.items() if isinstance(lineages, Mapping) else lineages
+    with DurableFiles() as out:  # every file durable, each folder fsynced once, before the manifest
+        for key, data in items:
+            if key in rollouts:
+                raise InvalidRecordError(f"ledger lineages: capture key {key!r} appears twice")
+            name = f"{key}{LINEAGE_SUFFIX}"
+            out.add(folder / name, data)
+            rows = sum(1 for line in data.split(b"\n") if line.strip())
+            rollouts[key] = LedgerRollout(files={name: sha256_hex(data)}, rows=rows, bytes=len(data))
+        refs = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", storage_references, out)
     roots = list(roots)
     manifest = LedgerManifest(
         checkpoint_id=checkpoint_id, server_name=server_name, rollouts=rollouts,
@@ -256,13 +361,14 @@ def write_resources_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: s
     in declaration order), then ``manifest.json`` mapping each name to its SHA-256."""
     folder = Path(checkpoint_dir) / resources_dir(server_name)
     files: dict[str, str] = {}
-    for snap in snapshots:
-        name = attempt_member(snap.rollout_id, snap.attempt_index)
-        if name in files:
-            raise InvalidRecordError(f"resources snapshots: {name!r} appears twice (expected one per attempt)")
-        data = record_json(snap)
-        atomic_write(folder / name, data)
-        files[name] = sha256_hex(data)
+    with DurableFiles() as out:  # every file durable, the folder fsynced once, before the manifest
+        for snap in snapshots:
+            name = attempt_member(snap.rollout_id, snap.attempt_index)
+            if name in files:
+                raise InvalidRecordError(f"resources snapshots: {name!r} appears twice (expected one per attempt)")
+            data = record_json(snap)
+            out.add(folder / name, data)
+            files[name] = sha256_hex(data)
     manifest = ResourcesManifest(checkpoint_id=checkpoint_id, server_name=server_name, files=files)
     return manifest, write_manifest(folder, manifest)
 
@@ -287,6 +393,18 @@ def read_agent_dir(instance_dir: str | os.PathLike[str]
     records = read_agent_archives(folder, manifest.archives, checked.index)
     roots = read_jsonl(checkpoint_dir, manifest.continuation_index, AgentContinuationRoot)
     return manifest, records, roots
+
+
+def iter_agent_dir(instance_dir: str | os.PathLike[str]) -> tuple[AgentManifest, Iterator[AgentBoundaryRecord]]:
+    """An agent instance's folder, checked as :func:`read_agent_dir` checks it (the manifest against
+    every file's bytes first), and its boundary records yielded archive by archive
+    (:func:`iter_agent_records`): for a reader that needs a little of every record, in the memory
+    of one archive."""
+    folder = Path(instance_dir)
+    checked = check_folder(folder, component="agent")
+    _checkpoint_dir_of(folder, checked.base)
+    manifest: AgentManifest = checked.manifest
+    return manifest, iter_agent_records(folder, manifest.archives, checked.index)
 
 
 def read_ledger_dir(ledger_folder: str | os.PathLike[str]

@@ -50,7 +50,7 @@ from typing import Any, Literal
 import msgspec
 from fastapi import APIRouter, Response
 
-from gymkit.checkpoint_dir import manifest_digest, read_agent_dir, read_resources_dir, write_resources_dir
+from gymkit.checkpoint_dir import iter_agent_dir, manifest_digest, read_resources_dir, write_resources_dir
 from gymkit.control_http import ControlRoutes, DeadlineQuery, capabilities_route, json_response
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -595,7 +595,8 @@ def agent_revisions(checkpoint_dir: str, server_name: str) -> dict[Key, int]:
     if not root.is_dir():
         return seen
     for manifest_path in sorted(root.rglob(MANIFEST_NAME)):
-        _, records, _ = read_agent_dir(manifest_path.parent)
+        # streamed: only the revisions of this server are kept, not every agent's records
+        _, records = iter_agent_dir(manifest_path.parent)
         for r in records:
             if server_name in r.resource_state_revisions:
                 key, rev = (r.rollout_id, r.attempt_index), r.resource_state_revisions[server_name]

@@ -31,7 +31,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
 import msgspec
@@ -76,6 +76,12 @@ Outcome = Literal["running", "finished", "failed"]
 MAX_OPEN_CALLS = 16
 #: Data-plane codes that mean "not now, try again" (a checkpoint holds the server).
 _RETRY_CODES = ("checkpoint_parked", "resources_admission_closed")
+#: Back-off of a retried call: RETRY_BASE_S doubled per retry (at most 5 times), at most RETRY_MAX_S.
+RETRY_BASE_S, RETRY_MAX_S = 0.02, 0.5
+#: Rollouts one ``POST /rollouts/batch`` may start (its body stays well under the 1 MiB limit).
+MAX_BATCH = 2000
+PRIME_CHUNK = 250  # rollouts per batched first-turn request (well under the servers' 1 MiB body limit)
+PRIME_TIMEOUT_S = 300.0  # one batch request (a busy 2-core machine answers 250 calls slowly)
 
 
 class ToolResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +113,16 @@ class RolloutState(msgspec.Struct, frozen=True, kw_only=True):
     sessions_ended: bool = False  # every turn done and its sessions ended: it depends on no resources server
 
 
+class StartBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /rollouts/batch``: several ``/run`` calls at once."""
+
+    rollouts: Annotated[list[StartRollout], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    #: Run every new rollout's first turn batched: its session resets, model calls and tool calls go
+    #: in a few ``/sessions/batch`` and ``/v1/responses/batch`` requests instead of three requests
+    #: each (the same server code records them). A rollout whose batched turn fails runs it alone.
+    prime: bool = False
+
+
 class RolloutFailed(Exception):
     """A server refused a rollout's call for good: the rollout ends as failed."""
 
@@ -133,6 +149,7 @@ class Rollout:
     task: asyncio.Task | None = None
     sessions_ended: bool = False
     recorded: int = -1  # the boundary index last recorded with the kit
+    prime: asyncio.Future | None = None  # set while a batched first turn runs for it (light path)
 
     @property
     def capture_key(self) -> str:
@@ -228,6 +245,16 @@ class RefAgent(AgentParticipant):
         self._model_ok = asyncio.Event()
         self._model_ok.set()
         self._leader: Rollout | None = None
+        # The kit wakes every waiter of ``executions.changed()`` at every change (each boundary
+        # recorded, each begin). Rollouts waiting for a turn slot must notice a park request, but with
+        # 1,000 of them on one agent, waking each at every other rollout's turn end costs O(N^2) wake-ups
+        # (and, re-queued each time, they lost their place on the slot semaphore, starving first turns).
+        # One watcher waits on the kit instead and wakes the rollouts only while admission is closed:
+        # a park request exists only then (a prepare closes admission before asking).
+        self._wake = asyncio.Event()
+        self._watcher: asyncio.Task | None = None
+        self.wakeups = 0  # rollout wake-ups by the watcher (a test counts them)
+        self._primers: set[asyncio.Task] = set()  # batched first turns in progress
         self._turn_slots = asyncio.Semaphore(MAX_OPEN_CALLS)  # turns started and not yet finished
         self._open_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # model calls wait here, not in httpx's pool
         self._tool_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # resources calls (session reset, tools)
@@ -250,8 +277,30 @@ class RefAgent(AgentParticipant):
                 del self.rollouts[key]
 
     # -- rollouts ------------------------------------------------------------------------------
+    def _watch_parking(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Forward the kit's changes to the waiting rollouts while admission is closed (see ``_wake``)."""
+        while True:
+            await self.executions.changed()
+            if not self.executions.accepting:
+                self._wake_all()
+
+    def _wake_all(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+        self.wakeups += 1
+
+    async def _woken(self) -> None:
+        """Return when a change may have asked a waiting rollout to park."""
+        self._watch_parking()
+        await self._wake.wait()
+
     def start(self, req: StartRollout) -> Rollout:
         """``/run`` of (rollout id, attempt index): a new execution, or the retained result again."""
+        self._watch_parking()
         try:
             check_rollout_id(req.rollout_id)
         except InvalidRecordError as exc:
@@ -326,7 +375,7 @@ class RefAgent(AgentParticipant):
                     break
                 except NotStarted:
                     waits += 1
-                    await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
+                    await asyncio.sleep(_retry_delay(waits))
                 except RolloutFailed as exc:  # the result stands; a session left bound is only exported again
                     log.warning("ending the %s session of %s: %s", kind, r.capture_key, exc)
                     break
@@ -345,6 +394,10 @@ class RefAgent(AgentParticipant):
         one rollout (the leader) finds out when it accepts them again."""
         waits = 0
         await self._boundary(r)
+        if r.prime is not None:
+            if await r.prime:  # the batched first turn is done: its turn end is a boundary
+                await self._boundary(r)
+            r.prime = None
         while len(r.trajectory) < r.turns:
             if self._parking(r):
                 await self._boundary(r)
@@ -364,14 +417,23 @@ class RefAgent(AgentParticipant):
                 await self._boundary(r)
             else:
                 waits += 1
-                await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
+                await self._backoff(_retry_delay(waits))
+
+    async def _backoff(self, seconds: float) -> None:
+        """Wait before trying a turn again, but no longer than until a park request: a rollout
+        whose model call was refused (the model paused first) parks at once, not after its backoff."""
+        woken = asyncio.ensure_future(self._woken())
+        try:
+            await asyncio.wait({woken}, timeout=seconds)
+        finally:
+            woken.cancel()
 
     def _parking(self, r: Rollout) -> bool:
         return self.executions.should_park(r.rollout_id, r.attempt_index)
 
     async def _wait_model_or_park(self, r: Rollout) -> None:
         model_ok = asyncio.ensure_future(self._model_ok.wait())
-        changed = asyncio.ensure_future(self.executions.changed())
+        changed = asyncio.ensure_future(self._woken())
         try:
             await asyncio.wait({model_ok, changed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -438,7 +500,7 @@ class RefAgent(AgentParticipant):
                                         headers=headers)
             except NotStarted:
                 waits += 1
-                await asyncio.sleep(min(0.02 * 2 ** min(waits, 5), 0.5))
+                await asyncio.sleep(_retry_delay(waits))
                 continue
             tool = msgspec.json.decode(resp.content, type=ToolReply)
             if _revision(resp) != tool.revision:
@@ -469,36 +531,136 @@ class RefAgent(AgentParticipant):
         return resp
 
     async def _slot_unless_parking(self, r: Rollout, slots: asyncio.Semaphore) -> bool:
-        """Take a call slot; False (holding none) if a park request comes first."""
-        while not self._parking(r):
-            slot = asyncio.ensure_future(slots.acquire())
-            changed = asyncio.ensure_future(self.executions.changed())
-            try:
-                await asyncio.wait({slot, changed}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:  # never keep a slot nobody will release
-                changed.cancel()
-                slot.cancel()
-                if slot.done() and not slot.cancelled():
-                    slots.release()
-                raise
-            changed.cancel()
-            if slot.done():
-                if self._parking(r):  # got a slot as the park request came: the turn has not started
-                    slots.release()
-                    return False
-                return True
-            slot.cancel()
+        """Take a call slot; False (holding none) if a park request comes first. The slot request
+        stays queued across wake-ups, so a rollout keeps its place (FIFO) on the semaphore."""
+        if self._parking(r):
+            return False
+        slot = asyncio.ensure_future(slots.acquire())
+        try:
+            while True:
+                changed = asyncio.ensure_future(self._woken())
+                try:
+                    await asyncio.wait({slot, changed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if slot.done():
+                    if self._parking(r):  # got a slot as the park request came: the turn has not started
+                        slots.release()
+                        return False
+                    return True
+                if self._parking(r):
+                    break
+        except asyncio.CancelledError:  # never keep a slot nobody will release
             if slot.done() and not slot.cancelled():
                 slots.release()
+            slot.cancel()
+            raise
+        slot.cancel()
+        if slot.done() and not slot.cancelled():
+            slots.release()
         return False
 
+    def start_primed(self, reqs: list[StartRollout]) -> list[Rollout]:
+        """Start rollouts whose first turn runs batched (``StartBatch.prime``); the others as usual."""
+        loop = asyncio.get_running_loop()
+        started: list[Rollout] = []
+        fresh: list[Rollout] = []
+        for req in reqs:
+            r = self.start(req)
+            started.append(r)
+            if r.outcome == "running" and not r.trajectory and r.restored is None:
+                r.prime = loop.create_future()
+                fresh.append(r)
+        if fresh:
+            self._primers.add(task := loop.create_task(self._prime(fresh)))
+            task.add_done_callback(self._primers.discard)
+        return started
+
+    async def _prime(self, rollouts: list[Rollout]) -> None:
+        """The first turn of each of ``rollouts``, batched by PRIME_CHUNK: session resets, then model
+        calls, then tool calls, each a batch request answered by the same server code as the single
+        routes (same request ids, so a later retry of one replays). Each rollout's future gets True
+        once its turn is in its trajectory, False if it must run its first turn the ordinary way."""
+        try:
+            for i in range(0, len(rollouts), PRIME_CHUNK):
+                await self._prime_chunk(rollouts[i:i + PRIME_CHUNK])
+        except Exception as exc:  # noqa: BLE001 - any failure: the rollouts run their first turn alone
+            log.info("batched first turns failed (%s: %s); the rollouts run them one by one", type(exc).__name__, exc)
+        finally:
+            for r in rollouts:
+                if r.prime is not None and not r.prime.done():
+                    r.prime.set_result(False)
+
+    async def _prime_chunk(self, chunk: list[Rollout]) -> None:
+        assert self.http is not None
+        live = [r for r in chunk if self.executions.get(r.rollout_id, r.attempt_index) is not None]
+        for kind in dict.fromkeys(k for r in live for k in r.tools):
+            users = [r for r in live if kind in r.tools]
+            answers = await self._batch(f"{self.tool_urls[kind]}/sessions/batch", {"calls": [
+                {"rollout_id": r.rollout_id, "attempt_index": r.attempt_index, "kind": "start",
+                 "request_id": f"{r.capture_key}/reset/{kind}"} for r in users]})
+            for r, a in zip(users, answers):
+                if a["status"] == 200 and str(a["headers"].get(REVISION_HEADER, "")).isdigit():
+                    r.revisions[kind] = int(a["headers"][REVISION_HEADER])
+                else:
+                    live = [x for x in live if x is not r]
+        calls = [ModelCall(rollout_id=r.rollout_id, attempt_index=r.attempt_index, capture_key=r.capture_key,
+                           model_call_id="call-0", parent_call_id=None, turn_index=0, prompt_token_ids=r.tokens())
+                 for r in live]
+        if not calls:
+            return
+        answers = await self._batch(f"{self.model_url}/v1/responses/batch", {"calls": calls})
+        done = [(r, msgspec.convert(a["body"], ModelReply)) for r, a in zip(live, answers) if a["status"] == 200]
+        # The model calls are recorded: from here each turn is finished, whatever it takes.
+        results: dict[tuple[str, int], dict[str, ToolResult]] = {(r.rollout_id, r.attempt_index): {} for r, _ in done}
+        for kind in dict.fromkeys(k for r, _ in done for k in r.tools):
+            users = [(r, m) for r, m in done if kind in r.tools]
+            args = [rules.tool_args(kind, m.generation_token_ids) for _, m in users]
+            answers = await self._batch(f"{self.tool_urls[kind]}/sessions/batch", {"calls": [
+                {"rollout_id": r.rollout_id, "attempt_index": r.attempt_index, "kind": "mutation",
+                 "request_id": f"{r.capture_key}/t0/{kind}", "expected_revision": r.revisions.get(kind, 0),
+                 "body": msgspec.json.encode({"args": a})} for (r, _), a in zip(users, args)]})
+            for (r, _), a, answer in zip(users, args, answers):
+                if answer["status"] == 200:
+                    tool = msgspec.convert(answer["body"], ToolReply)
+                    r.revisions[kind] = tool.revision
+                    r.resources[kind] = tool.resource
+                else:  # finished the ordinary way (the same request id replays if it did run)
+                    tool = await self._tool(r, kind, a, 0)
+                results[(r.rollout_id, r.attempt_index)][kind] = ToolResult(
+                    tool=kind, args=a, result=tool.result, revision=tool.revision)  # type: ignore[arg-type]
+        for r, m in done:
+            tools = [results[(r.rollout_id, r.attempt_index)][k] for k in r.tools]
+            r.trajectory.append(Turn(model_call_id="call-0", generation_token_ids=m.generation_token_ids,
+                                     generation_log_probs=m.generation_log_probs, tool_results=tools))
+            r.turn_keys.append(r.capture_key)
+            if r.prime is not None and not r.prime.done():
+                r.prime.set_result(True)
+
+    async def _batch(self, url: str, body: Any) -> list[dict[str, Any]]:
+        assert self.http is not None
+        resp = await self.http.post(url, content=msgspec.json.encode(body), timeout=PRIME_TIMEOUT_S,
+                                    headers={"content-type": "application/json"})
+        if resp.status_code != 200:
+            raise RolloutFailed(f"{url} refused the batch ({resp.status_code}): {resp.text[:300]}")
+        return msgspec.json.decode(resp.content)
+
     async def close(self) -> None:
+        for task in list(self._primers):
+            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         tasks = [r.task for r in self.rollouts.values() if r.task is not None and not r.task.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.http is not None:
             await self.http.aclose()
+
+
+def _retry_delay(waits: int) -> float:
+    """The wait before the ``waits``-th retry of a refused or failed call: doubling, capped."""
+    return min(RETRY_BASE_S * 2 ** min(waits, 5), RETRY_MAX_S)
 
 
 def _revision(resp: httpx.Response) -> int:
@@ -533,6 +695,25 @@ def create_app(name: str, token: str, model_url: str, tool_urls: dict[str, str])
     async def start(request: Request) -> Response:
         r = participant.start(await decode(request, StartRollout))
         return reply({"rollout_id": r.rollout_id, "attempt_index": r.attempt_index, "capture_key": r.capture_key}, 202)
+
+    @app.post("/rollouts/batch", status_code=202)
+    async def start_batch(request: Request) -> Response:
+        """Many ``/run`` calls in one request (a scale benchmark's light path: 100,000 rollouts are
+        started by a few hundred requests instead of 100,000). Each is started exactly as ``POST
+        /rollouts`` starts it; the first refusal stops the batch (those before it run)."""
+        batch = await decode(request, StartBatch)
+        started = participant.start_primed(batch.rollouts) if batch.prime else [
+            participant.start(req) for req in batch.rollouts]
+        return reply({"started": len(started)}, 202)
+
+    @app.get("/rollouts/progress")
+    async def progress() -> Response:
+        """Counts only (a poll of 100,000 rollouts must not list them): rollouts held, still running,
+        and running ones past their first turn."""
+        rows = participant.rollouts.values()
+        running = [r for r in rows if r.outcome == "running"]
+        return reply({"rollouts": len(participant.rollouts), "running": len(running),
+                      "running_past_first_turn": sum(1 for r in running if r.trajectory)})
 
     @app.get("/rollouts")
     async def rollouts() -> Response:

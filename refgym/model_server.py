@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -38,6 +38,7 @@ from gymkit.checkpoint_dir import (
     read_ledger_dir,
     write_ledger_dir,
 )
+from gymkit.control_http import error_response
 from gymkit.fence import ControlError, Fence
 from gymkit.model_control import ModelAdmission, ModelCommitContext, ModelParticipant, ModelRestoreContext, model_router
 from gymkit.token_store import TokenStore
@@ -319,6 +320,24 @@ class RefModel(ModelParticipant):
                  "parent_resolution": c.token["parent_resolution"]} for c in calls]
 
 
+MAX_CALL_BATCH = 2000
+
+
+class ModelCallBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    calls: Annotated[list[ModelCall], msgspec.Meta(min_length=1, max_length=MAX_CALL_BATCH)]
+
+
+async def _answer(participant: RefModel, call: ModelCall) -> dict[str, Any]:
+    """One call of a batch: the status and body ``POST /v1/responses`` would answer."""
+    try:
+        return {"status": 200, "body": await participant.call(call)}
+    except ApiRefused as exc:
+        return {"status": exc.status, "body": exc.body}
+    except ControlError as exc:  # Gym's data-plane refusals (checkpoint_parked, stale_attempt)
+        resp = error_response(exc)
+        return {"status": resp.status_code, "body": msgspec.Raw(bytes(resp.body))}
+
+
 def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_delay_ms: int = 0,
                token_store: str | None = None) -> FastAPI:
     """The model server's FastAPI app: ``/v1/responses``, ``/ledger`` and the control routes.
@@ -345,6 +364,14 @@ def create_app(name: str, token: str, seed: int = 0, slow_ms: int = 0, commit_de
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return reply(await participant.call(await decode(request, ModelCall)))
+
+    @app.post("/v1/responses/batch")
+    async def responses_batch(request: Request) -> Response:
+        """Several model calls in one request (a scale benchmark's light path), each answered exactly
+        as ``POST /v1/responses`` would (same admission, ledger and capture), all at once; each answer
+        is ``{"status", "body"}``."""
+        batch = await decode(request, ModelCallBatch)
+        return reply(await asyncio.gather(*(_answer(participant, c) for c in batch.calls)))
 
     @app.get("/ledger")
     async def ledger() -> Response:

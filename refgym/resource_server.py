@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -35,7 +35,7 @@ from gymkit.resources_control import (
     resources_router,
 )
 from refgym import rules
-from refgym.api import ApiRefused, ToolCall, ToolReply, health_routes, install_error_handler, reply
+from refgym.api import ApiRefused, ToolCall, ToolReply, decode, health_routes, install_error_handler, reply
 from refgym.faults import Faults, InjectedFault
 from schemas.control import (
     HEADER_ATTEMPT_INDEX,
@@ -51,6 +51,33 @@ from schemas.gym_files import ResourceSnapshot
 from schemas.identity import check_rollout_id
 
 _ARGS = {"notes": {"value"}, "sandbox": {"code"}}
+MAX_SESSION_BATCH = 2000
+
+
+class SessionCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One call of ``POST /sessions/batch``: what the headers and body of its own route carry.
+    ``body`` is the exact request body of a mutation (``{"args": ...}``), empty for a start or an end."""
+
+    rollout_id: str
+    attempt_index: Annotated[int, msgspec.Meta(ge=0)]
+    kind: Literal["start", "mutation", "terminal"]
+    request_id: str | None = None
+    expected_revision: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    body: bytes = b""
+
+
+class SessionBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    calls: Annotated[list[SessionCall], msgspec.Meta(min_length=1, max_length=MAX_SESSION_BATCH)]
+
+
+class SessionAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer its own route would have given: status, JSON body, headers."""
+
+    status: int
+    body: msgspec.Raw
+    headers: dict[str, str]
+
+
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -111,12 +138,17 @@ class RefResources(ResourcesParticipant):
         # Decoded before the session is entered: a malformed body is refused (400) without touching the
         # session (raised inside it, the kit would mark the session's outcome uncertain).
         call = _decode_tool(body) if kind == "mutation" else None
+        status, out, headers = await self.apply(rid, attempt, kind, request_id, expected, digest, call)
+        return Response(out, status_code=status, headers=headers, media_type="application/json")
+
+    async def apply(self, rid: str, attempt: int, kind: str, request_id: str | None, expected: int | None,
+                    digest: str, call: ToolCall | None) -> tuple[int, bytes, dict[str, str]]:
+        """One session call inside the kit's session lock: (status, body, headers) of the answer."""
         try:
             async with self.sessions.mutation(rid, attempt, kind=kind, request_id=request_id,  # type: ignore[arg-type]
                                               expected_revision=expected, digest=digest) as m:
                 if m.replay is not None:  # a retried request id: its recorded answer, nothing runs
-                    return Response(base64.b64decode(m.replay.body_base64), status_code=m.replay.status,
-                                    headers=dict(m.replay.headers), media_type="application/json")
+                    return m.replay.status, base64.b64decode(m.replay.body_base64), dict(m.replay.headers)
                 if self.slow_s:
                     await asyncio.sleep(self.slow_s)
                 if kind == "start":
@@ -124,26 +156,42 @@ class RefResources(ResourcesParticipant):
                     # A start is a successful non-read call: one revision more than the session had (1 if new).
                     out = msgspec.json.encode({"rollout_id": rid, "attempt_index": attempt,
                                                "revision": (m.revision or 0) + 1})
-                    return Response(out, headers=dict(m.respond(200, out)), media_type="application/json")
+                    return 200, out, dict(m.respond(200, out))
                 if kind == "terminal":  # the rollout is done with its session: forget it (its receipts stay)
                     self.states.pop((rid, attempt), None)
                     out = msgspec.json.encode({"rollout_id": rid, "attempt_index": attempt, "ended": True})
-                    return Response(out, headers=dict(m.respond(200, out)), media_type="application/json")
+                    return 200, out, dict(m.respond(200, out))
                 assert call is not None
                 if set(call.args) != _ARGS[self.kind]:
                     out = msgspec.json.encode({"error": {"code": "bad_request", "message": (
                         f"args of {self.kind} must be exactly {sorted(_ARGS[self.kind])}, got {sorted(call.args)}")}})
-                    return Response(out, status_code=400, headers=dict(m.respond(400, out)),
-                                    media_type="application/json")
+                    return 400, out, dict(m.respond(400, out))
                 state = self.states.get((rid, attempt), rules.empty_state(self.kind))
                 state, result = rules.apply_tool(self.kind, state, call.args)
                 self.states[(rid, attempt)] = state
                 revision = (m.revision or 0) + 1
                 out = msgspec.json.encode(ToolReply(resource=self.name, tool=self.kind, session_id=rid,  # type: ignore[arg-type]
                                                     revision=revision, result=result))
-                return Response(out, headers=dict(m.respond(200, out)), media_type="application/json")
+                return 200, out, dict(m.respond(200, out))
         except ControlError as exc:
-            return data_plane_response(exc)
+            resp = data_plane_response(exc)
+            return resp.status_code, bytes(resp.body), {k: v for k, v in resp.headers.items()
+                                                         if k not in ("content-length", "content-type")}
+
+    async def batch(self, calls: list[SessionCall]) -> list[SessionAnswer]:
+        """Several session calls in one request (a scale benchmark's light path), each exactly as its
+        own route would run it (same digest, same session lock, same receipts), all at once."""
+        async def one(c: SessionCall) -> SessionAnswer:
+            # The path and body the agent sends to the call's own route (the receipt's digest binds them).
+            path, body = {"start": ("/sessions/reset", b"{}"), "terminal": ("/sessions/end", b"{}")}.get(
+                c.kind, (f"/tools/{self.kind}", c.body))
+            digest = input_digest("POST", path, b"", body, "application/json")
+            call = _decode_tool(body) if c.kind == "mutation" else None
+            status, out, headers = await self.apply(c.rollout_id, c.attempt_index, c.kind, c.request_id,
+                                                    c.expected_revision, digest, call)
+            return SessionAnswer(status=status, body=msgspec.Raw(out), headers=headers)
+
+        return list(await asyncio.gather(*(one(c) for c in calls)))
 
     def sessions_view(self) -> dict[str, dict[str, Any]]:
         return {f"{rid}.a{n}": {"revision": self.sessions.revision(rid, n), "state": s}
@@ -204,6 +252,17 @@ def create_app(name: str, token: str, kind: str = "notes", slow_ms: int = 0, tes
         if tool != kind:
             raise ApiRefused(404, "not_found", f"no tool {tool!r} (this server has {kind})")
         return await participant.call(request, "mutation")
+
+    @app.post("/sessions/batch")
+    async def batch(request: Request) -> Response:
+        """Several session calls at once (see :meth:`RefResources.batch`)."""
+        req = await decode(request, SessionBatch)
+        for c in req.calls:
+            try:
+                check_rollout_id(c.rollout_id)
+            except InvalidRecordError as exc:
+                raise ApiRefused(400, "bad_request", str(exc)) from None
+        return reply(await participant.batch(req.calls))
 
     @app.get("/sessions")
     async def sessions_view() -> Response:

@@ -1,13 +1,15 @@
 """Run one reference Gym server: ``python -m refgym.serve --component model|agent|resource ...``.
 
-The server listens on 127.0.0.1 only. ``--port 0`` picks a free port; ``--port-file`` receives
-the port actually bound (written atomically once the socket is bound, before serving starts), so a
-launcher never races another process for a port.
+The server listens on 127.0.0.1 only, unless ``--host`` names another address (another loopback
+address such as 127.0.0.2 stands for another host in tests; a non-loopback one is said on stderr).
+``--port 0`` picks a free port; ``--port-file`` receives the port actually bound (written atomically
+once the socket is bound, before serving starts), so a launcher never races another process for a port.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
@@ -52,6 +54,14 @@ def bind(port: int, host: str = HOST) -> socket.socket:
     return sock
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1): reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def write_port_file(path: str, port: int) -> None:
     tmp = Path(path + ".tmp")
     tmp.write_text(f"{port}\n")
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.token_file}: empty token", file=sys.stderr)
         return 2
     app = build_app(args, token)
-    if args.host != HOST:
+    if not _loopback(args.host):
         print(f"refgym: listening on {args.host}, not only loopback (--host was given)", file=sys.stderr)
     sock = bind(args.port, args.host)
     port = sock.getsockname()[1]

@@ -147,6 +147,10 @@ class ParentRef(msgspec.Struct, frozen=True, kw_only=True):
     sequence: Annotated[NonNeg, msgspec.Meta(description="The parent snapshot's sequence number.")]
 
 
+#: Most file entries a manifest may list (``Manifest.files``); a publisher refuses more (SPEC §15.5).
+MAX_MANIFEST_FILES = 1_000_000
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """The table of contents of one snapshot; written once by the publisher, never changed."""
 
@@ -162,7 +166,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     created_at: Annotated[float, msgspec.Meta(description="Unix seconds at which the draft was begun.")]
     committed_at: Annotated[float, msgspec.Meta(
         description="Unix seconds at which the publisher sealed the manifest to commit it.")]
-    files: Annotated[list[FileEntry], msgspec.Meta(max_length=1_000_000), msgspec.Meta(
+    files: Annotated[list[FileEntry], msgspec.Meta(max_length=MAX_MANIFEST_FILES), msgspec.Meta(
         description="Every file of the snapshot, part manifests included. A file not listed here is not "
                     "part of the snapshot.")]
     gym_commit: Annotated[GymCommit | None, msgspec.Meta(

@@ -99,7 +99,7 @@ from snapformat import layout
 from snapformat.adopt import adopt_part
 from snapformat.draft import SnapshotDraft
 from snapformat.gym_dir import (
-    atomic_write,
+    DurableFiles,
     continuation_roots,
     continuation_roots_sha256,
     document_bytes,
@@ -287,16 +287,18 @@ def write_agent_folder(checkpoint_dir: Path, checkpoint_id: str, records: list[A
             shards.append(shard := [])
         shard.append((rec, data))
     archives, index = [], []
-    for i, shard in enumerate(s for s in shards if s):
-        name = agent_archive_name(i)
-        tar = tar_bytes([(attempt_member(rec.rollout_id, rec.attempt_index), data) for rec, data in shard])
-        atomic_write(folder / name, tar)
-        archives.append(AgentArchive(name=name, sha256=sha256_hex(tar), members=len(shard), bytes=len(tar)))
-        index += [AgentIndexEntry(rollout_id=rec.rollout_id, attempt_index=rec.attempt_index, archive=name,
-                                  member=attempt_member(rec.rollout_id, rec.attempt_index), sha256=sha256_hex(data),
-                                  bytes=len(data)) for rec, data in shard]
-    record_index = write_jsonl(checkpoint_dir, f"{base}/{AGENT_INDEX_NAME}", index)
-    continuation_index = write_jsonl(checkpoint_dir, f"{base}/{CONTINUATIONS_NAME}", continuation_roots(records))
+    with DurableFiles() as out:  # Gym's commit: every file durable, the folder fsynced once, then the manifest
+        for i, shard in enumerate(s for s in shards if s):
+            name = agent_archive_name(i)
+            tar = tar_bytes([(attempt_member(rec.rollout_id, rec.attempt_index), data) for rec, data in shard])
+            out.add(folder / name, tar)
+            archives.append(AgentArchive(name=name, sha256=sha256_hex(tar), members=len(shard), bytes=len(tar)))
+            index += [AgentIndexEntry(rollout_id=rec.rollout_id, attempt_index=rec.attempt_index, archive=name,
+                                      member=attempt_member(rec.rollout_id, rec.attempt_index),
+                                      sha256=sha256_hex(data), bytes=len(data)) for rec, data in shard]
+        record_index = write_jsonl(checkpoint_dir, f"{base}/{AGENT_INDEX_NAME}", index, out)
+        continuation_index = write_jsonl(checkpoint_dir, f"{base}/{CONTINUATIONS_NAME}", continuation_roots(records),
+                                         out)
     manifest = AgentManifest(checkpoint_id=checkpoint_id, instance_name=AGENT, archives=archives,
                              record_index=record_index, records=len(index), continuation_index=continuation_index)
     return AgentCommitResponse(records=len(index), manifest_digest=write_manifest(folder, manifest),
@@ -313,22 +315,24 @@ def write_ledger_folder(checkpoint_dir: Path, checkpoint_id: str, rs: list[Rollo
     folder = checkpoint_dir / base
     by_key = {r.key: r for r in rs}
     rollouts, rows = {}, 0
-    for root in roots:
-        r = by_key[root.capture_key]
-        last = r.calls.index(root.last_committed_model_call_id)
-        lineage = jsonl_bytes(LineageRow(
-            entry=ModelLedgerEntry(rollout_id=r.rollout_id, attempt_index=r.attempt, capture_key=r.key,
-                                   model_call_id=c, parent_call_id=None if t == 0 else r.calls[t - 1], turn_index=t,
-                                   model=tokens[(r.key, c)]["model"], created_at=tokens[(r.key, c)]["created_at"]),
-            token=tokens[(r.key, c)]) for t, c in enumerate(r.calls[:last + 1]))
-        name = f"{r.key}.lineage.jsonl"
-        atomic_write(folder / name, lineage)
-        rollouts[r.key] = LedgerRollout(files={name: sha256_hex(lineage)}, rows=last + 1, bytes=len(lineage))
-        rows += last + 1
-    references = sorted((ExternalStorageReference(
-        capture_key=c.capture_key, boundary_model_call_id=c.last_committed_model_call_id,
-        key=f"{c.capture_key}/{c.last_committed_model_call_id}") for c in roots), key=lambda e: e.key)
-    storage_index = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", references)
+    with DurableFiles() as out:  # Gym's commit: every file durable, the folder fsynced once, then the manifest
+        for root in roots:
+            r = by_key[root.capture_key]
+            last = r.calls.index(root.last_committed_model_call_id)
+            lineage = jsonl_bytes(LineageRow(
+                entry=ModelLedgerEntry(rollout_id=r.rollout_id, attempt_index=r.attempt, capture_key=r.key,
+                                       model_call_id=c, parent_call_id=None if t == 0 else r.calls[t - 1],
+                                       turn_index=t, model=tokens[(r.key, c)]["model"],
+                                       created_at=tokens[(r.key, c)]["created_at"]),
+                token=tokens[(r.key, c)]) for t, c in enumerate(r.calls[:last + 1]))
+            name = f"{r.key}.lineage.jsonl"
+            out.add(folder / name, lineage)
+            rollouts[r.key] = LedgerRollout(files={name: sha256_hex(lineage)}, rows=last + 1, bytes=len(lineage))
+            rows += last + 1
+        references = sorted((ExternalStorageReference(
+            capture_key=c.capture_key, boundary_model_call_id=c.last_committed_model_call_id,
+            key=f"{c.capture_key}/{c.last_committed_model_call_id}") for c in roots), key=lambda e: e.key)
+        storage_index = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", references, out)
     inactive = sum(1 for r in rs if r.finished)
     manifest = LedgerManifest(
         checkpoint_id=checkpoint_id, server_name=MODEL, rollouts=rollouts,
@@ -365,11 +369,12 @@ def write_resources_folder(checkpoint_dir: Path, checkpoint_id: str, snapshots: 
     """``resources/<RESOURCE>/``: ``<rid>.a<n>.json`` per session (indent 2), then ``manifest.json``."""
     folder = checkpoint_dir / resources_dir(RESOURCE)
     files = {}
-    for snap in snapshots:
-        data = document_bytes(snap, sort_keys=False, indent=2)
-        name = attempt_member(snap.rollout_id, snap.attempt_index)
-        atomic_write(folder / name, data)
-        files[name] = sha256_hex(data)
+    with DurableFiles() as out:  # Gym's commit: every file durable, the folder fsynced once, then the manifest
+        for snap in snapshots:
+            data = document_bytes(snap, sort_keys=False, indent=2)
+            name = attempt_member(snap.rollout_id, snap.attempt_index)
+            out.add(folder / name, data)
+            files[name] = sha256_hex(data)
     manifest = ResourcesManifest(checkpoint_id=checkpoint_id, server_name=RESOURCE, files=files)
     return ResourcesCommitResponse(sessions=len(files), manifest_digest=write_manifest(folder, manifest))
 

@@ -24,13 +24,13 @@ import msgspec
 
 from schemas.errors import CommitConflictError, CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
 from schemas.identity import check_relative_path
-from schemas.manifest import CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
+from schemas.manifest import MAX_MANIFEST_FILES, CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
 from schemas.version import FORMAT_VERSION, check_readable, features_of_kinds
 from snapformat import jsonl, layout
 from snapformat.checksum import check, checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
 from snapformat.kinds import RECORD_TYPES, storage_of
-from snapformat.reader import MAX_JSON_PART_BYTES, check_entry
+from snapformat.reader import MAX_JSON_PART_BYTES, MAX_MANIFEST_BYTES, check_entry
 from snapformat.store import Store, open_store
 
 log = logging.getLogger("snapformat.publish")
@@ -138,6 +138,17 @@ def _check_gym_parts(draft: SnapshotDraft, gym_commit: GymCommit | None) -> None
                 f"but the parts being published have {added.get(p.part_prefix, 'no such part')}")
 
 
+def _check_within_reader_bounds(draft: SnapshotDraft, files: list[FileEntry], data: bytes) -> None:
+    """Refuse, before the commit point, a manifest no reader would open (SPEC §15.5 step 2, §21): a
+    committed snapshot every reader refuses would become the newest and make ``latest()`` fail."""
+    if len(files) > MAX_MANIFEST_FILES:
+        raise InvalidRecordError(f"{draft.url}: manifest field 'files' would list {len(files):,} entries (expected at "
+                                 f"most {MAX_MANIFEST_FILES:,}, SPEC §21); nothing was published")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidRecordError(f"{draft.url}: manifest.json would be {len(data):,} bytes for {len(files):,} file "
+                                 f"entries (expected at most {MAX_MANIFEST_BYTES:,}, SPEC §21); nothing was published")
+
+
 def publish(
     draft: SnapshotDraft,
     *,
@@ -190,6 +201,7 @@ def publish(
         producer=producer,
     )
     data = jsonl.encode_json(manifest)
+    _check_within_reader_bounds(draft, files, data)
     manifest_key = f"{layout.snapshot_dir(draft.snapshot_id)}/{layout.MANIFEST_NAME}"
     with store.open_write(manifest_key) as fh:
         fh.write(data)

@@ -24,6 +24,7 @@ EXPECTED = [
     (format_bench.LOAD_COLD, format_bench.LIB_VERIFY),
     (format_bench.LOAD_COLD, format_bench.LIB_NOVERIFY),
     (format_bench.LOAD_COLD, format_bench.RAW_LOAD),
+    (format_bench.LOAD_COLD, format_bench.RAW_LOAD_SAME),
     (format_bench.LOAD_COLD, format_bench.PICKLE_LOAD),
 ]
 

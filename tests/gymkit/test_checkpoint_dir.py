@@ -225,6 +225,36 @@ def test_archive_members_are_indent_2_json_with_fixed_headers_and_deterministic_
     assert list(json.loads(data)) == [f.name for f in msgspec.structs.fields(AgentBoundaryRecord)]
 
 
+any_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=30)
+
+
+@given(value=any_json, sort_keys=st.booleans(), indent=st.sampled_from([1, 2, 4]))
+@settings(max_examples=400, deadline=None)
+def test_documents_are_json_dumps_byte_for_byte(value, sort_keys: bool, indent: int) -> None:
+    """The fast build of a document (compact C encoding re-indented by msgspec) gives exactly
+    ``json.dumps(..., sort_keys, indent)``: escapes, float repr, NaN and Infinity, empty containers."""
+    from snapformat.gym_dir import document_bytes
+
+    assert document_bytes(value, sort_keys=sort_keys, indent=indent) == \
+        json.dumps(value, sort_keys=sort_keys, indent=indent).encode()
+
+
+@given(records=record_sets(max_size=4))
+@settings(max_examples=60, deadline=None)
+def test_record_files_and_manifests_are_json_dumps_byte_for_byte(records) -> None:
+    for rec in records:
+        assert cd.record_json(rec) == json.dumps(msgspec.to_builtins(rec), indent=2).encode()
+    manifest = cd.AgentManifest(checkpoint_id="c", instance_name="é", archives=[], records=0,
+                                record_index=ArtifactRef(relative_path="a/b.jsonl", sha256="0" * 64, records=0, bytes=0),
+                                continuation_index=ArtifactRef(relative_path="a/c.jsonl", sha256="1" * 64, records=0,
+                                                               bytes=0))
+    data, _ = cd.manifest_bytes(manifest)
+    assert data == json.dumps(msgspec.to_builtins(manifest), sort_keys=True, indent=2).encode()
+
+
 def test_archives_hold_at_most_512_members_and_64_mib_each(tmp_path: Path, monkeypatch) -> None:
     records = [_record(f"r{i:05d}") for i in range(2 * AGENT_ARCHIVE_MAX_MEMBERS + 3)]
     archives, index = cd.write_agent_archives(tmp_path / "count", records)
@@ -382,3 +412,94 @@ def test_a_manifest_with_an_unknown_field_or_wrong_type_is_refused(tmp_path: Pat
     path.write_bytes(json.dumps({**raw, "schema_version": 3}).encode())
     with pytest.raises(InvalidRecordError, match=r"\$\.schema_version"):
         cd.read_resources_dir(tmp_path / "resources" / "tools")
+
+
+# -- streamed commits: the same bytes from an ordered iterator, in the memory of one archive ----------------
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in list_folder(folder)}
+
+
+@SETTINGS
+@given(records=record_sets())
+def test_an_ordered_iterator_writes_the_bytes_of_a_list(tmp_path_factory, records) -> None:
+    """``write_agent_dir`` of a generator in Gym's order (consumed as it comes) and of the same
+    records as a list (sorted first) write identical folders."""
+    base = tmp_path_factory.mktemp("stream")
+    ordered = sorted(records, key=lambda r: (r.rollout_id, r.attempt_index))
+    listed, digest = cd.write_agent_dir(base / "list", "ckpt-1", "agent0", list(reversed(records)))
+    streamed, again = cd.write_agent_dir(base / "iter", "ckpt-1", "agent0", (r for r in ordered))
+    assert (streamed, again) == (listed, digest)
+    folder = agent_instance_dir("agent0")
+    assert _folder_bytes(base / "iter" / folder) == _folder_bytes(base / "list" / folder)
+    _, read, roots = cd.read_agent_dir(base / "iter" / folder)
+    assert read == ordered and roots == cd.continuation_roots(records)
+    _, lazily = cd.iter_agent_dir(base / "iter" / folder)
+    assert list(lazily) == ordered
+
+
+def test_an_iterator_out_of_order_or_repeated_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRecordError, match=r"\('a', 0\) comes after \('b', 0\)"):
+        cd.write_agent_archives(tmp_path / "order", (r for r in [_record("b"), _record("a")]))
+    with pytest.raises(InvalidRecordError, match=r"\('r', 1\) appears twice"):
+        cd.write_agent_dir(tmp_path / "twice", "ckpt-1", "agent0", (r for r in [_record("r", 1), _record("r", 1)]))
+    assert not (tmp_path / "twice" / agent_instance_dir("agent0") / MANIFEST_NAME).exists()
+
+
+def test_archives_are_written_as_they_fill_in_the_memory_of_one(tmp_path: Path, monkeypatch) -> None:
+    """16 archives of 512 records of ~4 KiB each (32 MiB) from a generator: the commit's peak traced
+    allocation stays under half the archives' bytes (the archive being built, the writes in flight,
+    bounded by ``MAX_PENDING_BYTES``, and the small index and root rows), where the members of
+    every archive used to be held at once."""
+    import tracemalloc
+
+    from snapformat import gym_dir
+
+    monkeypatch.setattr(gym_dir, "MAX_PENDING_BYTES", 2 << 20)
+    blob = "x" * (4 << 10)
+    n = 16 * AGENT_ARCHIVE_MAX_MEMBERS
+    records = (_record(f"r{i:05d}", agent_state={"blob": blob}) for i in range(n))
+    tracemalloc.start()
+    try:
+        manifest, _ = cd.write_agent_dir(tmp_path, "ckpt-1", "agent0", records)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    total = sum(a.bytes for a in manifest.archives)
+    assert manifest.records == n and len(manifest.archives) == 16 and total > 32 << 20
+    assert peak < total / 2, f"peak {peak} for {total} bytes of archives"
+
+
+def test_ledger_lineages_as_pairs_or_a_lazy_mapping_give_the_same_folder(tmp_path: Path) -> None:
+    roots = [_root("b"), _root("a")]
+    lineage = {"a": b'{"call":1}\n\n{"call":2}\n', "b": b'{"call":3}\n'}
+    refs = [ExternalStorageReference(capture_key="a", boundary_model_call_id="c", key="k1")]
+    asked: list[str] = []
+
+    class Lazy(dict):  # a mapping whose bytes are built when asked for
+        def items(self):
+            for key, data in lineage.items():
+                asked.append(key)
+                yield key, data
+
+    results = [cd.write_ledger_dir(tmp_path / name, "ckpt-1", "policy0", lineages=value, storage_references=iter(refs),
+                                   roots=iter(roots))
+               for name, value in (("dict", lineage), ("pairs", iter(lineage.items())), ("lazy", Lazy()))]
+    assert results[0] == results[1] == results[2] and asked == ["a", "b"]
+    folders = [_folder_bytes(tmp_path / name / "model-ledger" / "policy0") for name in ("dict", "pairs", "lazy")]
+    assert folders[0] == folders[1] == folders[2]
+    with pytest.raises(InvalidRecordError, match="capture key 'a' appears twice"):
+        cd.write_ledger_dir(tmp_path / "twice", "ckpt-1", "policy0", lineages=[("a", b"{}\n"), ("a", b"{}\n")],
+                            storage_references=[], roots=[])
+
+
+def test_records_come_back_in_index_order_whatever_the_archive_order(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cd, "AGENT_ARCHIVE_MAX_MEMBERS", 2)
+    records = [_record(f"r{i}") for i in range(5)]
+    archives, index = cd.write_agent_archives(tmp_path, records)
+    assert len(archives) == 3
+    shuffled = [index[i] for i in (4, 0, 3, 1, 2)]  # rows of different archives interleaved
+    assert cd.read_agent_archives(tmp_path, archives, shuffled) == [records[i] for i in (4, 0, 3, 1, 2)]
+    assert sorted(cd.iter_agent_records(tmp_path, archives, shuffled), key=lambda r: r.rollout_id) == records
+    bad = [*index[:1], msgspec.structs.replace(index[1], archive="agent-part-000009.tar")]
+    with pytest.raises(CorruptSnapshotError, match=r"row 2: archive 'agent-part-000009.tar' is not among"):
+        cd.read_agent_archives(tmp_path, archives, bad)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -32,6 +31,7 @@ import msgspec
 import pytest
 
 from coordinator.checkpoint import gym_parts
+from devtools.gym_procs import bindable
 from schemas.gym_files import participant_dir
 from schemas.manifest import GymCommit, ParticipantCommit, PartReceipt
 from snapformat import SnapshotStore
@@ -41,16 +41,7 @@ from tests.gymkit import plain_flow as flow
 HOST_B, HOST_C = "127.0.0.2", "127.0.0.3"
 
 
-def _bindable(host: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((host, 0))
-        return True
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (_bindable(HOST_B) and _bindable(HOST_C)),
+pytestmark = pytest.mark.skipif(not (bindable(HOST_B) and bindable(HOST_C)),
                                 reason="127.0.0.2/127.0.0.3 are not loopback addresses on this machine")
 
 

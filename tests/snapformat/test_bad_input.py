@@ -429,3 +429,27 @@ def test_writing_after_close_or_publishing_twice_is_refused(store: SnapshotStore
 def test_every_refusal_here_is_a_snapshot_error() -> None:
     for cls in (InvalidRecordError, InvalidPathError, NotPublishedError, CorruptSnapshotError):
         assert issubclass(cls, SnapshotError)
+
+
+@pytest.mark.parametrize("bound", ["MAX_MANIFEST_FILES", "MAX_MANIFEST_BYTES"])
+def test_a_manifest_past_the_readers_bounds_is_refused_before_the_commit(store: SnapshotStore, bound: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot every reader would refuse (too many entries, too many bytes) is never committed: it
+    would become the newest and make ``latest()`` fail. The bounds are lowered here; at the real ones
+    this takes about 400,000 parked rollouts' Gym files (``benchmarks/results/parked.md``)."""
+    from snapformat import publish as publish_mod
+
+    first = store.begin()
+    first.part("p").write_records("c", "continuations", [continuation(0)])
+    first.publish()
+    draft = store.begin()
+    part = draft.part("p")
+    for i in range(6):
+        part.write_records(f"c{i}", "continuations", [continuation(i)])
+    monkeypatch.setattr(publish_mod, bound, 4 if bound == "MAX_MANIFEST_FILES" else 2_000)
+    field = "'files' would list 7 entries" if bound == "MAX_MANIFEST_FILES" else "manifest.json would be"
+    with pytest.raises(InvalidRecordError, match=field) as refused:
+        draft.publish()
+    assert draft.url in str(refused.value) and "nothing was published" in str(refused.value)
+    assert [c.sequence for c in store.list()] == [1]  # no commit record for sequence 2
+    assert store.latest().sequence == 1 and verify_snapshot(store.open(1)).ok

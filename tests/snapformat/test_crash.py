@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import shutil
 import signal
@@ -31,6 +32,7 @@ from schemas.errors import NotPublishedError
 from snapformat import SnapshotStore, example, layout, open_snapshot, verify_snapshot
 
 WRITER = Path(__file__).with_name("crash_writer.py")
+ROOT = Path(__file__).resolve().parents[2]
 RANDOM_RUNS = 50
 # A loop iteration takes ~20-300 ms (publish ~3-50 ms of it: most of the writing is Gym's folders,
 # many small files each fsynced), so kills spread over the first few iterations: while writing Gym's
@@ -40,8 +42,11 @@ SUBPROCESS_TIMEOUT_S = 60
 
 
 def _run_writer(*args: str) -> subprocess.CompletedProcess[str]:
+    # This tree's code, not whatever checkout the interpreter has installed (an editable install of
+    # another worktree would otherwise be imported: the script's folder, not the repository, is sys.path[0]).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, str(WRITER), *args], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S, check=False)
+                          timeout=SUBPROCESS_TIMEOUT_S, check=False, env=env)
 
 
 def _publish_example(path: Path, count: int = 2, seed: int = 0) -> int:

@@ -1,0 +1,670 @@
+"""The scale benchmark (issue 22 §2): the pause, step by step, at 10,000 parked rollouts on 10 agent
+servers and 100,000 on 100, and the restore on fresh servers after a SIGKILL.
+
+    python -m benchmarks.run --section scale          # (1, 1,000), (10, 1,000), (10, 10,000), (100, 100,000)
+    python -m benchmarks.run --section scale --quick  # (1, 100), (2, 200), one repeat each
+
+**The workload.** S agent servers, S resources servers (tool ``notes``, ``export_restore``: one per
+agent) and one policy model server: the unchanged ``refgym`` apps, hosted several per process by
+:mod:`devtools.gym_multihost` (each server its own port on 127.0.0.1, its own fence and state; the
+model alone in a process of its own). N rollouts of :data:`TURNS` turns are spread evenly over the
+agents. Each agent runs at most ``refgym.agent_server.MAX_OPEN_CALLS`` turns at once; every model
+call takes :data:`MODEL_SLOW_MS`. The benchmark waits until every rollout has finished its first
+turn (a real model call recorded in the model's ledger, a real session reset and tool call on its
+resources server), so each parked rollout is real state on three servers.
+
+*Light path* (documented, not timed): rollouts are started with ``POST /rollouts/batch`` (many
+``/run`` calls per request, each started exactly like ``POST /rollouts``) with ``prime``: each
+agent runs its new rollouts' *first* turn batched, 250 rollouts per request to each server
+(``/sessions/batch`` for the session resets and the tool calls, ``/v1/responses/batch`` for the model
+calls). Each call of a batch runs the same server code as its single route (model admission and
+ledger, the resources kit's session lock, request ids and receipts, the agent kit's boundaries), so
+the state is the one the ordinary path makes; only the HTTP requests are fewer. Without it, 100,000
+first turns at three requests each took longer than the whole run may (about 25 turns/s on this
+shared machine). Every later turn is ordinary, one HTTP call each; progress is polled with ``GET
+/rollouts/progress`` (counts only).
+
+**The measurement** (every step timed on the driver, HTTP round trips included). Per point: one set-up;
+then R checkpoints of the live rollouts, each driven by :class:`coordinator.gym_actor.NemoGym` (in this
+process, without Ray: the object the Ray actor wraps), whose steps are
+:class:`gymkit.gym_fleet.GymFleet`'s fan-out (one component after the other, the servers of a
+component at once), and resumed (the rollouts run on :data:`RUN_BETWEEN_S` between two); then every
+host process is SIGKILLed, and R restores of the last snapshot follow, each on freshly started
+servers (their start not timed). Per step the wall time is reported, and inside prepare, commit and
+restore the slowest server of each component (the step waits for it). The snapshot store is a local
+folder (:class:`snapformat.SnapshotStore`). A failed pause or restore (a server process that dies)
+is reported, not counted; a restore is tried again on fresh servers (at most
+:data:`MAX_RESTORE_FAILURES` times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from coordinator.checkpoint import gym_parts
+from coordinator.gym_actor import NemoGym
+from devtools.gym_multihost import HostSpec, ModelSpec, MultiHost, PairSpec, launch
+from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, StepResult
+from refgym.agent_server import MAX_BATCH, MAX_OPEN_CALLS
+from schemas.topology import manifest_fingerprint
+from snapformat import SnapshotStore, layout
+
+Log = Callable[[str], None]
+
+#: (agent servers, rollouts) per point, in order.
+FULL_POINTS: tuple[tuple[int, int], ...] = ((1, 1000), (10, 1000), (10, 10_000), (100, 100_000))
+QUICK_POINTS: tuple[tuple[int, int], ...] = ((1, 100), (2, 200))
+FULL_REPEATS = 5
+#: Repeats at 100,000: each costs minutes of set-up (100,000 first turns through one model server
+#: on 2 shared cores), so fewer fit; the report says how many ran.
+LARGE_N, LARGE_REPEATS = 100_000, 2
+#: Wall time a 100,000 point may take after its set-up: pauses stop repeating past half of it, restores
+#: past all of it (each kind at least once), so the whole section ends in bounded time.
+LARGE_BUDGET_S = 900.0
+TURNS = 64  # a rollout parked after one turn has plenty left: none completes before the snapshot
+MODEL_SLOW_MS = 50  # a model call's latency (as in the gym section); batched first turns wait it once per chunk
+MAX_HOSTS = 4  # host processes of agent + resources pairs (2 cores: more only adds context switches)
+RUN_BETWEEN_S = 1.0  # the resumed rollouts run this long between two measured pauses
+SETUP_S_PER_ROLLOUT = 0.02  # the first-turn wait's bound: this per rollout, at least 120 s
+DEADLINE_S = 600.0  # the protocol calls' deadline (a bound, not a target)
+START_PARALLEL = 8  # batch start requests in flight at once
+PROGRESS_ATTEMPTS = 5  # a progress poll of one agent, asked again on a transport error
+TARGETS = {(10, 10_000): 1.0, (100, 100_000): 5.0}  # the issue's pause targets, seconds
+RESTORE_TARGET_RATIO = 2.0  # restore <= 2x the pause
+MAX_RESTORE_FAILURES = 2  # restores that may fail (recorded in the report) before a point gives up
+
+#: (key, label, what it includes), in table order. Keys are those of a cycle's ``times_s``.
+PHASES: list[tuple[str, str, str]] = [
+    ("prepare", "prepare (whole step)",
+     "`NemoGym.prepare_checkpoint`: freeze dispatch; `GymFleet.prepare`: the policy model's `pause`, then every "
+     "agent's `prepare` at once (re-sent on 409 `agent_prepare_incomplete`), then every resources server's "
+     "`prepare` at once, then `status?wait_state=paused` for a model still draining"),
+    ("prepare_model", "  prepare: model (pause + drain)", "the policy model's pause call, plus its drain poll if it was "
+     "still draining (`ParticipantReply.seconds`)"),
+    ("prepare_agent", "  prepare: agents (slowest)", "the slowest agent's prepare: parks every rollout at its next "
+     f"turn end; at most {MAX_OPEN_CALLS} turns per agent are in progress, the others park at once"),
+    ("prepare_resource", "  prepare: resources (slowest)", "the slowest resources server's prepare: closes admission "
+     "and exports every bound session"),
+    ("begin", "begin draft", "`SnapshotStore.begin()` and the draft's `gym/` folder as `checkpoint_dir`"),
+    ("commit", "commit (whole step)", "`NemoGym.commit_checkpoint`: every agent's `commit` at once, then the policy "
+     "model's (given every agent's continuation index), then every resources server's at once; Gym's files are "
+     "written into `checkpoint_dir`"),
+    ("commit_agent", "  commit: agents (slowest)", "the slowest agent commit: its boundary archive, "
+     "`agent-index.jsonl`, `continuations.jsonl`, `manifest.json`"),
+    ("commit_model", "  commit: model", "the policy model's commit: reads every agent's continuation index and writes "
+     "one lineage file per capture key (all N rollouts: one server), `storage-references.jsonl`, `manifest.json`"),
+    ("commit_resource", "  commit: resources (slowest)", "the slowest resources commit: a session file per "
+     "exported session and `manifest.json`"),
+    ("adopt", "adopt Gym's files", "`gym_parts.adopt_commit`: check each participant's `manifest.json` against the "
+     "bytes, hash the files in place and write a part manifest per participant"),
+    ("publish", "publish", "`draft.publish`: the snapshot manifest and the create-only commit record"),
+    ("resume", "resume (whole step)", "`NemoGym.resume_checkpoint`: every resources server at once, then the model, "
+     "then every agent at once (releasing the parked rollouts); dispatch reopens"),
+    ("pause_total", "total pause (prepare start -> resume end)", "wall time of every row above"),
+    ("restore", "restore (whole step)", "`NemoGym.restore_checkpoint` on fresh servers: the model (reads its ledger "
+     "folder, fences tombstones and source attempts), then every agent at once (each parked rollout becomes the "
+     "continuation of attempt n+1), then every resources server at once (sessions as attempt n+1)"),
+    ("restore_model", "  restore: model", "the model's restore call"),
+    ("restore_agent", "  restore: agents (slowest)", "the slowest agent's restore call"),
+    ("restore_resource", "  restore: resources (slowest)", "the slowest resources server's restore call"),
+    ("resume_after_restore", "resume after restore", "`NemoGym.resume_checkpoint` after the restore"),
+    ("restore_total", "total restore (open snapshot -> resume end)",
+     "`store.open` + `gym_parts.restore_dir` + restore + resume (fresh servers already running, discovered)"),
+]
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] scale: {msg}", flush=True)
+
+
+def repeats_for(n: int, quick: bool) -> int:
+    if quick:
+        return 1
+    return LARGE_REPEATS if n >= LARGE_N else FULL_REPEATS
+
+
+# -- the deployment ----------------------------------------------------------------------------------
+@dataclass
+class Deployment:
+    """One policy model host and the host processes of the agent + resources pairs."""
+
+    hosts: list[MultiHost]
+    urls: dict[str, str]  # server name -> URL (Gym's config keys = capability names)
+    agents: list[str]
+
+    def kill(self) -> None:
+        for h in self.hosts:
+            h.kill()
+
+
+def deploy(workdir: Path, token_file: Path, servers: int, tag: str) -> Deployment:
+    """Start the policy model (its own process), then ``servers`` agent + resources pairs spread over
+    at most :data:`MAX_HOSTS` processes; return once every server listens."""
+    model = launch(HostSpec(token_file=str(token_file), model=ModelSpec(name="policy0", slow_ms=MODEL_SLOW_MS)),
+                   workdir, f"{tag}-model")
+    hosts = [model]
+    try:
+        model.wait_ready()
+        model_url = model.servers["policy0"]
+        width = len(str(servers - 1))
+        pairs = [PairSpec(agent=f"agent{i:0{width}d}", resource=f"tools{i:0{width}d}") for i in range(servers)]
+        n_hosts = min(MAX_HOSTS, servers)
+        for h in range(n_hosts):
+            hosts.append(launch(HostSpec(token_file=str(token_file), model_url=model_url, pairs=pairs[h::n_hosts]),
+                                workdir, f"{tag}-host{h}"))
+        for h in hosts[1:]:
+            h.wait_ready()
+    except BaseException:
+        for h in hosts:
+            h.kill()
+        raise
+    urls = {name: url for h in hosts for name, url in h.servers.items()}
+    return Deployment(hosts=hosts, urls=urls, agents=[p.agent for p in pairs])
+
+
+async def start_rollouts(dep: Deployment, n: int, tag: str, http: httpx.AsyncClient) -> None:
+    """Start ``n`` rollouts spread evenly over the agents (batch starts), then wait (bounded) until
+    each has finished its first turn; none may end before the snapshot."""
+    per_agent: dict[str, list[dict[str, Any]]] = {a: [] for a in dep.agents}
+    for i in range(n):
+        per_agent[dep.agents[i % len(dep.agents)]].append(
+            {"rollout_id": f"{tag}r{i}", "seed": i, "turns": TURNS, "tools": ["notes"]})
+    sem = asyncio.Semaphore(START_PARALLEL)
+
+    async def send(agent: str, batch: list[dict[str, Any]]) -> None:
+        async with sem:
+            resp = await http.post(f"{dep.urls[agent]}/rollouts/batch", json={"rollouts": batch, "prime": True}, timeout=120)
+        if resp.status_code != 202:
+            raise RuntimeError(f"{agent}: batch start answered {resp.status_code}: {resp.text[:300]}")
+
+    await asyncio.gather(*(send(a, specs[i:i + MAX_BATCH]) for a, specs in per_agent.items()
+                           for i in range(0, len(specs), MAX_BATCH)))
+    bound = max(120.0, SETUP_S_PER_ROLLOUT * n)
+    end = time.monotonic() + bound
+    async def progress(agent: str) -> dict[str, int]:
+        # A busy host may drop a kept-alive connection as it is reused (ReadError): asked again, bounded.
+        for attempt in range(PROGRESS_ATTEMPTS):
+            try:
+                return (await http.get(f"{dep.urls[agent]}/rollouts/progress", timeout=60)).json()
+            except httpx.TransportError:
+                if attempt + 1 == PROGRESS_ATTEMPTS:
+                    raise
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    while True:
+        got = await asyncio.gather(*(progress(a) for a in dep.agents))
+        if any(g["running"] != g["rollouts"] for g in got):
+            raise RuntimeError(f"a rollout ended before the snapshot: {got}")
+        past = sum(g["running_past_first_turn"] for g in got)
+        if sum(g["rollouts"] for g in got) == n and past == n:
+            return
+        if time.monotonic() > end:
+            raise TimeoutError(f"after {bound:.0f} s only {past}/{n} rollouts are past their first turn")
+        await asyncio.sleep(0.5)
+
+
+def _slowest(step: StepResult, component: str) -> float:
+    return max((p.seconds for p in step.of(component)), default=0.0)
+
+
+def _part_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, fingerprint: str,
+                     ck: str) -> tuple[dict[str, float], dict[str, int], Any, Any]:
+    """One checkpoint of the running deployment through ``gym``, every step timed; returns the times,
+    the servers' counts, the published snapshot and Gym's parts."""
+    times: dict[str, float] = {}
+    deadline = time.time() + DEADLINE_S
+    t_pause = t = time.perf_counter()
+    prep = await gym.prepare_checkpoint(ck, deadline)
+    times["prepare"] = time.perf_counter() - t
+    times["prepare_model"] = _slowest(prep, MODELS)
+    times["prepare_agent"] = _slowest(prep, AGENTS)
+    times["prepare_resource"] = _slowest(prep, RESOURCES)
+    t = time.perf_counter()
+    draft = store.begin()
+    cdir = gym_parts.save_dir(draft)
+    times["begin"] = time.perf_counter() - t
+    t = time.perf_counter()
+    commit = await gym.commit_checkpoint(ck, deadline, cdir.path)
+    times["commit"] = time.perf_counter() - t
+    times["commit_agent"] = _slowest(commit, AGENTS)
+    times["commit_model"] = _slowest(commit, MODELS)
+    times["commit_resource"] = _slowest(commit, RESOURCES)
+    t = time.perf_counter()
+    parts = await asyncio.to_thread(gym_parts.adopt_commit, draft, cdir, commit)
+    times["adopt"] = time.perf_counter() - t
+    t = time.perf_counter()
+    published = await asyncio.to_thread(draft.publish, receipts=parts.receipts, gym_commit=parts.gym_commit,
+                                        topology_fingerprint=manifest_fingerprint(fingerprint))
+    times["publish"] = time.perf_counter() - t
+    t = time.perf_counter()
+    await gym.resume_checkpoint(ck, deadline)
+    end = time.perf_counter()
+    times["resume"] = end - t
+    times["pause_total"] = end - t_pause
+    counts = {
+        "agent_servers": len(commit.of(AGENTS)),
+        "resources_servers": len(commit.of(RESOURCES)),
+        "prepare_agent_parked": _total(prep, AGENTS, "parked"),
+        "prepare_agent_running": _total(prep, AGENTS, "running"),
+        "prepare_resource_sessions": _total(prep, RESOURCES, "sessions"),
+        "agent_prepare_calls": sum(prep.agent_prepare_attempts.values()),
+        "agent_commit_parked": _total(commit, AGENTS, "records"),
+        "model_commit_rollouts": _total(commit, MODELS, "rollouts"),
+        "model_commit_calls": _total(commit, MODELS, "rows"),
+        "resource_commit_sessions": _total(commit, RESOURCES, "sessions"),
+        "snapshot_bytes": _part_bytes(store_root / layout.snapshot_dir(published.manifest.snapshot_id)),
+    }
+    return times, counts, published, parts
+
+
+async def restore_once(dep: Deployment, token: str, store: SnapshotStore, published: Any, parts: Any,
+                       fingerprint: str, source_ck: str, rid: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Restore ``published`` into the fresh deployment ``dep`` and resume it, every step timed."""
+    times: dict[str, float] = {}
+    gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S)
+    try:
+        again = await gym.discover_checkpoint_capabilities()
+        if again.fingerprint != fingerprint:
+            raise RuntimeError("the fresh servers' topology differs from the snapshot's")
+        deadline = time.time() + DEADLINE_S
+        t_restore = time.perf_counter()
+        snap = store.open(published.manifest.sequence)
+        rdir = gym_parts.restore_dir(snap, [p.part_prefix for p in parts.gym_commit.participants if p.part_prefix])
+        t = time.perf_counter()
+        restored = await gym.restore_checkpoint(rid, deadline, rdir.path, source_checkpoint_id=source_ck)
+        times["restore"] = time.perf_counter() - t
+        times["restore_model"] = _slowest(restored, MODELS)
+        times["restore_agent"] = _slowest(restored, AGENTS)
+        times["restore_resource"] = _slowest(restored, RESOURCES)
+        t = time.perf_counter()
+        await gym.resume_checkpoint(rid, deadline)
+        end = time.perf_counter()
+        times["resume_after_restore"] = end - t
+        times["restore_total"] = end - t_restore
+    finally:
+        await gym.close()
+    counts = {
+        "agent_restore_continuations": _total(restored, AGENTS, "records"),
+        "model_restore_rollouts": _total(restored, MODELS, "rollouts"),
+        "model_restore_calls": _total(restored, MODELS, "rows"),
+        "resource_restore_sessions": _total(restored, RESOURCES, "sessions"),
+    }
+    return times, counts
+
+
+def _total(step: StepResult, component: str, attr: str) -> int:
+    return sum(getattr(p.reply, attr) for p in step.of(component))
+
+
+async def measure_point(workdir: Path, token: str, token_file: Path, store_root: Path, servers: int, n: int,
+                        repeats: int, tag: str, log: Log, budget_s: float | None = None) -> dict[str, Any]:
+    """One (servers, rollouts) point: one set-up (not timed), ``repeats`` checkpoints of the live
+    rollouts (resumed in between, each running on for :data:`RUN_BETWEEN_S`), then every host
+    SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers."""
+    store = SnapshotStore(str(store_root))
+    t_setup = time.perf_counter()
+    dep = deploy(workdir, token_file, servers, tag)
+    try:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as http:
+            await start_rollouts(dep, n, tag, http)
+        setup_s = time.perf_counter() - t_setup
+        over = _budget(budget_s)
+        log(f"S={servers} N={n:,}: {len(dep.hosts)} host processes, every rollout past its first turn after "
+            f"{setup_s:.0f} s (not timed)")
+        gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S)
+        pauses: list[tuple[dict[str, float], dict[str, int]]] = []
+        pause_failures: list[str] = []
+        try:
+            topology = await gym.discover_checkpoint_capabilities()  # once, before the pauses (as the controller)
+            for rep in range(repeats):
+                if rep and over(0.5):
+                    log(f"S={servers} N={n:,}: {rep} pause(s) used half the point's {budget_s:.0f} s budget: no more")
+                    break
+                if rep:
+                    await asyncio.sleep(RUN_BETWEEN_S)  # the resumed rollouts run on: a live system is paused
+                ck_try = f"scale-{tag}-{rep}"
+                try:
+                    times, counts, published, parts = await pause_once(gym, store, store_root, topology.fingerprint,
+                                                                       ck_try)
+                except Exception as exc:  # the pauses measured so far still count
+                    if not pauses:
+                        raise
+                    pause_failures.append(f"pause {rep + 1}: {type(exc).__name__}: {exc}"[:600])
+                    log(f"S={servers} N={n:,} {pause_failures[-1]}; restoring the last published snapshot")
+                    break
+                ck = ck_try
+                pauses.append((times, counts))
+                log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}: {times['pause_total'] * 1e3:,.0f} ms (prepare "
+                    f"{times['prepare'] * 1e3:,.0f}, commit {times['commit'] * 1e3:,.0f}, adopt "
+                    f"{times['adopt'] * 1e3:,.0f}, publish {times['publish'] * 1e3:,.0f}, resume "
+                    f"{times['resume'] * 1e3:,.0f}); parked {counts['agent_commit_parked']:,}/{n:,}")
+        finally:
+            await gym.close()
+    finally:
+        dep.kill()  # the crash: every server of every host, SIGKILL
+    restores: list[tuple[dict[str, float], dict[str, int]]] = []
+    restart_s: list[float] = []
+    failures: list[str] = []
+    rep = attempt = 0
+    while rep < len(pauses) and attempt < len(pauses) + MAX_RESTORE_FAILURES:
+        if rep and over(1.0):
+            log(f"S={servers} N={n:,}: {rep} restore(s) used the point's {budget_s:.0f} s budget: no more")
+            break
+        attempt += 1
+        t = time.perf_counter()
+        fresh = deploy(workdir, token_file, servers, f"{tag}-fresh{attempt}")
+        restart_s.append(time.perf_counter() - t)
+        try:
+            times, counts = await restore_once(fresh, token, store, published, parts, topology.fingerprint, ck,
+                                               f"restore-{tag}-{attempt}")
+        except Exception as exc:  # noqa: BLE001 - recorded, and tried again on fresh servers (bounded)
+            died = [h.pid for h in fresh.hosts if h.popen.poll() is not None]
+            failures.append(f"restore attempt {attempt}: {type(exc).__name__}: {exc}"[:600]
+                            + (f" (host processes {died} had died)" if died else ""))
+            log(f"S={servers} N={n:,} restore attempt {attempt} failed: {failures[-1]}")
+            continue
+        finally:
+            fresh.kill()
+        rep += 1
+        restores.append((times, counts))
+        log(f"S={servers} N={n:,} restore {rep}/{len(pauses)}: {times['restore_total'] * 1e3:,.0f} ms (restore "
+            f"{times['restore'] * 1e3:,.0f}, resume {times['resume_after_restore'] * 1e3:,.0f}); continuations "
+            f"{counts['agent_restore_continuations']:,}/{n:,}")
+    if not restores:
+        raise RuntimeError(f"no restore succeeded: {'; '.join(failures)}")
+    median = {k: statistics.median(t[k] for t, _ in (pauses if k in pauses[0][0] else restores))
+              for k, _, _ in PHASES}
+    return {
+        "servers": servers, "n": n, "repeats": len(pauses), "restore_repeats": len(restores), "hosts": len(dep.hosts),
+        "pauses": [{"times_s": t, "counts": c} for t, c in pauses],
+        "restores": [{"times_s": t, "counts": c} for t, c in restores],
+        "median_s": median,
+        "median_bytes": statistics.median(c["snapshot_bytes"] for _, c in pauses),
+        "counts": pauses[-1][1] | restores[-1][1] | {"requested": n},
+        "setup_s": round(setup_s, 1), "restart_s": [round(x, 1) for x in restart_s], "restore_failures": failures, "pause_failures": pause_failures,
+    }
+
+
+def _budget(budget_s: float | None) -> Callable[[float], bool]:
+    """``over(fraction)``: whether ``fraction`` of ``budget_s`` has passed since this call."""
+    start = time.monotonic()
+    return lambda fraction: budget_s is not None and time.monotonic() - start > fraction * budget_s
+
+
+def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, log: Log | None = None,
+        workdir: Path | None = None, repeats: int | None = None) -> dict[str, Any]:
+    """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``)."""
+    if not points or any(s < 1 or n < s for s, n in points):
+        raise ValueError(f"points: {points!r} (expected (servers >= 1, rollouts >= servers))")
+    log = log or _say
+    started = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="scale-bench-", dir=workdir))
+    token = secrets.token_urlsafe(24)
+    token_file = tmp / "token"
+    token_file.write_text(token)
+    per_point: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    try:
+        for servers, n in points:
+            reps = repeats if repeats is not None else repeats_for(n, quick)
+            budget = LARGE_BUDGET_S if n >= LARGE_N and not quick else None
+            try:
+                per_point.append(asyncio.run(measure_point(tmp / "hosts", token, token_file,
+                                                           tmp / f"store-{servers}-{n}", servers, n, reps,
+                                                           f"s{servers}n{n}", log, budget)))
+            except Exception as exc:  # noqa: BLE001 - reported; the other points still count
+                # What the host processes said (a host that died leaves its traceback there).
+                said = [f"{log_path.name}: {' | '.join(tail)}" for log_path in sorted((tmp / "hosts").glob("*.log"))
+                        if (tail := log_path.read_text(errors="replace").strip().splitlines()[-6:])]
+                log(f"S={servers} N={n:,} failed: {type(exc).__name__}: {exc}; host logs: {said}")
+                failed.append({"servers": servers, "n": n, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                               "host_logs": [x[:1500] for x in said[:10]]})
+            shutil.rmtree(tmp / f"store-{servers}-{n}", ignore_errors=True)
+            if workdir is not None:  # what is measured so far survives a crash of a later point
+                (workdir / "scale-partial.json").write_bytes(msgspec.json.encode(
+                    {"per_point": per_point, "failed": failed}))
+        if workdir is not None:  # every point ended: the report has it all
+            (workdir / "scale-partial.json").unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "points": [list(p) for p in points], "quick": quick, "turns": TURNS, "model_slow_ms": MODEL_SLOW_MS,
+        "agent_open_calls": MAX_OPEN_CALLS, "max_hosts": MAX_HOSTS, "run_between_s": RUN_BETWEEN_S,
+        "phases": [{"key": k, "label": label, "includes": what} for k, label, what in PHASES],
+        "per_point": per_point, "failed": failed,
+        "machine": {"cores": os.cpu_count(), "load_average_start": load_start,
+                    "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
+# -- the report --------------------------------------------------------------------------------------------
+def _ms(s: float) -> str:
+    ms = s * 1e3
+    return f"{ms:.1f}" if ms < 100 else f"{ms:,.0f}"
+
+
+def verdicts(result: dict[str, Any]) -> list[str]:
+    """One line per target of the issue that a measured point covers."""
+    out = []
+    for p in result["per_point"]:
+        key = (p["servers"], p["n"])
+        m = p["median_s"]
+        if key in TARGETS:
+            target = TARGETS[key]
+            ok = m["pause_total"] <= target
+            out.append(f"- {p['n']:,} rollouts on {p['servers']} agent servers: pause {m['pause_total']:.2f} s against "
+                       f"<= {target:g} s: **{'met' if ok else 'NOT met'}**.")
+        ratio = m["restore_total"] / m["pause_total"] if m["pause_total"] else float("inf")
+        if key in TARGETS or result["quick"]:
+            out.append(f"- {p['n']:,} rollouts on {p['servers']} agent servers: restore {m['restore_total']:.2f} s = "
+                       f"{ratio:.2f}x the pause, against <= {RESTORE_TARGET_RATIO:g}x: "
+                       f"**{'met' if ratio <= RESTORE_TARGET_RATIO else 'NOT met'}**.")
+    return out
+
+
+def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
+    r = result
+    pts = r["per_point"]
+    reps = ", ".join(f"{p['repeats']} pauses / {p['restore_repeats']} restores at ({p['servers']}, {p['n']:,})"
+                     for p in pts)
+    head = "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,} (ms)" for p in pts) + " |"
+    rule = "|---|" + "---:|" * len(pts)
+    lines = [
+        "# Scale benchmark: the pause and the restore at 10,000 and 100,000 parked rollouts",
+        "",
+        f"S agent servers, S resources servers (`notes`, export_restore, one per agent) and one policy model: the "
+        f"unchanged `refgym` apps, hosted several per process by `devtools.gym_multihost` (the agent + resources "
+        f"pairs spread over min(S, {r['max_hosts']}) processes, the model alone in one; every server its own port on "
+        f"127.0.0.1). N rollouts of {r['turns']} turns, spread evenly over the agents, each run past its first turn "
+        f"(model calls take {r['model_slow_ms']} ms; an agent runs at most {r['agent_open_calls']} turns at once). "
+        f"Per point, one set-up (not timed), then R checkpoints of the live rollouts, each driven by "
+        f"`coordinator.gym_actor.NemoGym` (in the benchmark's process, no Ray) through `gymkit.gym_fleet`'s fan-out and "
+        f"resumed (the rollouts run on {r['run_between_s']:g} s between two), then every host SIGKILLed, and R restores "
+        f"of the last snapshot, each on freshly started servers (start not timed). Times on the driver with "
+        f"`time.perf_counter`, HTTP included; local snapshot store. Medians of {reps}. Load average "
+        f"{r['machine']['load_average_start']} at start, {r['machine']['load_average_end']} at the end (2 cores "
+        f"shared with other work: noisy). Whole run {r['elapsed_s']:.0f} s{' (quick run)' if r['quick'] else ''}.",
+        "",
+        "Set-up (not timed): " + "; ".join(f"({p['servers']}, {p['n']:,}) {p['setup_s']:.0f} s on {p['hosts']} host "
+                                           f"processes" for p in pts) + ".",
+        "",
+        "## Targets (issue 22 §2)",
+        "",
+        *(verdicts(r) or ["- (no point of the targets was measured in this run)"]),
+        *[f"- ({f['servers']}, {f['n']:,}) **failed**: {f['error']}" for f in r.get("failed", [])],
+        *[f"- ({p['servers']}, {p['n']:,}): {what}, not counted in the medians: {msg}" for p in pts
+          for what, key in (("a pause failed", "pause_failures"), ("a restore failed", "restore_failures"))
+          for msg in p.get(key, [])],
+        "",
+        "## The pause and the restore, step by step (median ms)",
+        "",
+        "Indented rows are the slowest server of a component inside the step above them (the step waits for it).",
+        "",
+        head,
+        rule,
+    ]
+    for key, label, _ in PHASES:
+        bold = "**" if key.endswith("_total") else ""
+        cells = " | ".join(_ms(p["median_s"][key]) for p in pts)
+        shown = f"↳ {label.strip()}" if label.startswith("  ") else label
+        lines.append(f"| {bold}{shown}{bold} | {cells} |")
+    lines += ["", "## What the servers reported (last repeat of each point)", "",
+              "| servers | rollouts | parked at prepare | sessions exported | agent commit records | model commit "
+              "rollouts / calls | resources commit sessions | agent restore continuations | model restore calls | "
+              "resources restore sessions | snapshot MB |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in pts:
+        c = p["counts"]
+        lines.append(f"| {p['servers']} | {p['n']:,} | {c['prepare_agent_parked']:,} | "
+                     f"{c['prepare_resource_sessions']:,} | {c['agent_commit_parked']:,} | "
+                     f"{c['model_commit_rollouts']:,} / {c['model_commit_calls']:,} | "
+                     f"{c['resource_commit_sessions']:,} | {c['agent_restore_continuations']:,} | "
+                     f"{c['model_restore_calls']:,} | {c['resource_restore_sessions']:,} | "
+                     f"{p['median_bytes'] / 1e6:.1f} |")
+    lines += ["", "## What each step includes", ""]
+    lines += [f"- **{label.strip()}**: {what}." for _, label, what in PHASES]
+    lines += ["- Not timed: starting the host processes, starting the rollouts (`POST /rollouts/batch`) and waiting "
+              "for every first turn (`GET /rollouts/progress`), discovery (`GET capabilities`, before the pause, as "
+              "the controller does it once)."]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], results: Path) -> list[Path]:
+    """``scale_pause.png``: pause and restore (and the largest steps) against parked rollouts."""
+    from benchmarks import common
+
+    pts = result["per_point"]
+    if len(pts) < 2:
+        return []
+    xs = list(range(len(pts)))  # one tick per point: (1, 1,000) and (10, 1,000) share a rollout count
+    series = [(label, xs, [p["median_s"][key] for p in pts], style) for key, label, style in (
+        ("pause_total", "total pause", "o-"), ("restore_total", "total restore", "s--"),
+        ("prepare", "prepare", "^:"), ("commit", "commit", "v:"), ("adopt", "adopt", "d:"))]
+    labels = [f"{p['n']:,}\n{p['servers']} srv" for p in pts]
+    path = common.plot(results / common.png_name("scale_pause", result["quick"]),
+                       "Pause and restore vs parked rollouts (agent servers under each)",
+                       "point (parked rollouts, agent servers)", "seconds", series, logx=False, xticks=xs,
+                       xticklabels=labels)
+    return [path]
+
+
+async def agent_wave(rollouts: int) -> dict[str, Any]:
+    """The reference agent alone (stand-in model and resources over httpx's mock transport, each answer
+    after 5 ms): ``rollouts`` of 64 turns on one agent's turn slots. Returns how long until every one
+    finished its first turn, the turns run meanwhile, how often the agent kit's change event was
+    listened to, and how long parking every rollout took once the model refused calls (lever 1's
+    measurement; run it on the old and the new ``refgym/agent_server.py``)."""
+    from gymkit.agent_control import AgentExecutions
+    from refgym.agent_server import RefAgent
+    from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
+    from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID
+
+    paused = False
+
+    async def stand_in(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.005)
+        if request.url.path == "/v1/responses":
+            if paused:
+                return httpx.Response(409, json={"error": {"code": "checkpoint_parked", "detail": "paused"}})
+            call = msgspec.json.decode(request.content)
+            return httpx.Response(200, content=msgspec.json.encode(ModelReply(
+                response_id="r", model="m", capture_key=call["capture_key"], model_call_id=call["model_call_id"],
+                generation_token_ids=[1, 2], generation_log_probs=[-0.1, -0.2],
+                cum_len=len(call["prompt_token_ids"]) + 2, digest="0" * 64, parent_resolution="root")))
+        if request.url.path.startswith("/tools/"):
+            rev = int(request.headers[HEADER_EXPECTED_REVISION]) + 1
+            return httpx.Response(200, headers={REVISION_HEADER: str(rev)}, content=msgspec.json.encode(ToolReply(
+                resource="tools", tool="notes", session_id=request.headers[HEADER_ROLLOUT_ID], revision=rev,
+                result={"count": 1})))
+        return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})
+
+    executions = AgentExecutions()
+    agent = RefAgent("agent0", "http://model.test", {"notes": "http://tools.test"}, executions)
+    agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_in))
+    listens = 0
+    changed = executions.changed
+
+    async def counting() -> None:
+        nonlocal listens
+        listens += 1
+        await changed()
+
+    executions.changed = counting  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    for i in range(rollouts):
+        agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=TURNS))
+    end = time.monotonic() + 600
+    while not all(r.trajectory for r in agent.rollouts.values()) and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+    wave = time.perf_counter() - t0
+    turns = sum(len(r.trajectory) for r in agent.rollouts.values())
+    paused = True  # the model pauses first (NeMo-RL's order), then the agent is asked to park
+    await asyncio.sleep(0.3)
+    t1 = time.perf_counter()
+    executions.request_park()
+    status = await executions.wait_prepared(time.time() + 60)
+    park = time.perf_counter() - t1
+    await agent.close()
+    return {"rollouts": rollouts, "first_turn_wave_s": round(wave, 2), "turns_in_wave": turns,
+            "kit_listens": listens, "park_s": round(park, 3), "parked": status.parked}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"points {QUICK_POINTS}, one repeat each")
+    p.add_argument("--point", type=int, nargs=2, action="append", metavar=("SERVERS", "ROLLOUTS"))
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--json", type=Path, help="also write the result JSON here")
+    p.add_argument("--actor-pool", type=int, help="lever check: the NemoGym actor's HTTP pool of this many "
+                   "connections (the size before issue 22 was 32, whatever the servers)")
+    p.add_argument("--render", type=Path, help="print the report of a saved result JSON (run.py's or a partial one)")
+    p.add_argument("--agent-wave", type=int, metavar="ROLLOUTS", help="lever 1's measurement: one agent in-process "
+                   "(see agent_wave), print its JSON and exit")
+    opts = p.parse_args(argv)
+    if opts.agent_wave:
+        print(msgspec.json.encode(asyncio.run(agent_wave(opts.agent_wave))).decode())
+        return 0
+    if opts.render:
+        data = msgspec.json.decode(opts.render.read_bytes())
+        print(markdown(data.get("result", data)))
+        return 0
+    points = tuple(tuple(x) for x in opts.point) if opts.point else (QUICK_POINTS if opts.quick else FULL_POINTS)
+    if opts.actor_pool:
+        from coordinator import gym_actor
+
+        gym_actor.pool_size = lambda servers: opts.actor_pool  # read when the actor opens its client
+    result = run(points, opts.quick, repeats=opts.repeats)  # type: ignore[arg-type]
+    if opts.json:
+        opts.json.write_bytes(msgspec.json.encode(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

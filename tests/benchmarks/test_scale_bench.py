@@ -1,0 +1,51 @@
+"""A tiny run of the scale benchmark (issue 22 §2): 2 agent servers hosted in one process with their
+resources servers, a model in another, 40 rollouts, one pause and one restore. Asserts what the
+servers did (every rollout parked, committed, restored; the counts agree; the report and plot are
+written), never how fast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks import run, scale_bench
+
+POINT = (2, 40)
+
+
+def test_scale_bench_tiny_run(tmp_path: Path) -> None:
+    res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch")
+
+    assert res["failed"] == [] and len(res["per_point"]) == 1
+    p = res["per_point"][0]
+    servers, n = POINT
+    assert (p["servers"], p["n"]) == POINT and p["repeats"] == p["restore_repeats"] == 1
+    keys = [k for k, _, _ in scale_bench.PHASES]
+    assert set(p["median_s"]) == set(keys) and all(p["median_s"][k] > 0 for k in keys), p["median_s"]
+    c = p["counts"]
+    # Every rollout was parked by its agent, committed by all three kinds of server, and restored.
+    assert c["agent_servers"] == c["resources_servers"] == servers, c
+    assert c["prepare_agent_parked"] == n and c["prepare_agent_running"] == 0, c
+    assert c["prepare_resource_sessions"] == n == c["resource_commit_sessions"] == c["resource_restore_sessions"], c
+    assert c["agent_commit_parked"] == n == c["agent_restore_continuations"], c
+    assert c["model_commit_rollouts"] == n == c["model_restore_rollouts"], c
+    assert c["model_commit_calls"] >= n and c["model_restore_calls"] == c["model_commit_calls"], c
+    assert c["snapshot_bytes"] > 0
+
+    md = scale_bench.markdown(res, scale_bench.plot(res, tmp_path / "results"))
+    assert md.startswith("# Scale benchmark") and "| step | 2 srv, 40 (ms) |" in md
+    for _, label, _ in scale_bench.PHASES:
+        assert label.strip() in md, label
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up
+
+
+def test_scale_plot_is_written(tmp_path: Path) -> None:
+    fake = {"quick": True, "per_point": [
+        {"servers": s, "n": n, "median_s": {k: 0.01 * n / 100 for k, _, _ in scale_bench.PHASES}}
+        for s, n in ((1, 100), (2, 200))]}
+    paths = scale_bench.plot(fake, tmp_path)
+    assert [p.name for p in paths] == ["scale_pause-quick.png"] and paths[0].stat().st_size > 0
+
+
+def test_scale_section_is_registered() -> None:
+    assert "scale" in run.SECTIONS
+    assert (10, 10_000) in scale_bench.FULL_POINTS and (100, 100_000) in scale_bench.FULL_POINTS

@@ -1,0 +1,71 @@
+"""The NemoGym actor's fan-out is parallel across every server (issue 22 §2): its HTTP pool has a
+connection for each Gym server, so a step that calls 40 servers at once has 40 calls in flight,
+none queued behind another server's slow answer (a prepare waits for parking). Checked against a
+real HTTP server on 127.0.0.1 that answers only once every call has arrived."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.gym_actor import MIN_CONNECTIONS, NemoGym, pool_size
+
+SERVERS = MIN_CONNECTIONS + 8  # more servers than the old fixed pool of 32 connections
+
+
+async def _barrier_server(expected: int) -> tuple[asyncio.Server, int, list[int]]:
+    """A minimal HTTP/1.1 server: every request waits until ``expected`` requests are open at once."""
+    arrived = [0]
+    everyone = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                arrived[0] += 1
+                if arrived[0] >= expected:
+                    everyone.set()
+                await everyone.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], arrived
+
+
+def test_the_pool_has_a_connection_per_server_bounded() -> None:
+    assert pool_size(1) == MIN_CONNECTIONS
+    assert pool_size(200) >= 200
+    assert pool_size(10**6) <= 1024
+
+
+@pytest.mark.timeout(60)
+def test_every_server_of_a_step_is_called_at_once() -> None:
+    async def scenario() -> int:
+        server, port, arrived = await _barrier_server(SERVERS)
+        url = f"http://127.0.0.1:{port}"
+        gym = NemoGym({f"agent{i:02d}": url for i in range(SERVERS)}, "token")
+        try:
+            # What GymFleet does for one step: one call per server, all gathered. Each answer needs all.
+            replies = await asyncio.wait_for(asyncio.gather(*(
+                gym.http.post(f"{url}/ng-control/v1/agent-checkpoint/prepare", json={"server": i})
+                for i in range(SERVERS))), 20)
+        except TimeoutError:
+            return arrived[0]
+        finally:
+            await gym.close()
+            server.close()
+            await server.wait_closed()
+        assert all(r.status_code == 200 for r in replies)
+        return arrived[0]
+
+    # With a pool smaller than the servers, only the pool's worth arrive and the step never completes.
+    assert asyncio.run(scenario()) == SERVERS
