@@ -580,33 +580,11 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
     finished its first turn, the turns run meanwhile, how often the agent kit's change event was
     listened to, and how long parking every rollout took once the model refused calls (lever 1's
     measurement; run it on the old and the new ``refgym/agent_server.py``)."""
-    from gymkit.agent_control import AgentExecutions
-    from refgym.agent_server import RefAgent
-    from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
-    from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID
+    from devtools.agent_stand_ins import StandIns, stand_in_agent
+    from refgym.api import StartRollout
 
-    paused = False
-
-    async def stand_in(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.005)
-        if request.url.path == "/v1/responses":
-            if paused:
-                return httpx.Response(409, json={"error": {"code": "checkpoint_parked", "detail": "paused"}})
-            call = msgspec.json.decode(request.content)
-            return httpx.Response(200, content=msgspec.json.encode(ModelReply(
-                response_id="r", model="m", capture_key=call["capture_key"], model_call_id=call["model_call_id"],
-                generation_token_ids=[1, 2], generation_log_probs=[-0.1, -0.2],
-                cum_len=len(call["prompt_token_ids"]) + 2, digest="0" * 64, parent_resolution="root")))
-        if request.url.path.startswith("/tools/"):
-            rev = int(request.headers[HEADER_EXPECTED_REVISION]) + 1
-            return httpx.Response(200, headers={REVISION_HEADER: str(rev)}, content=msgspec.json.encode(ToolReply(
-                resource="tools", tool="notes", session_id=request.headers[HEADER_ROLLOUT_ID], revision=rev,
-                result={"count": 1})))
-        return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})
-
-    executions = AgentExecutions()
-    agent = RefAgent("agent0", "http://model.test", {"notes": "http://tools.test"}, executions)
-    agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_in))
+    stand_ins = StandIns(delay_s=0.005)
+    agent, executions = stand_in_agent(stand_ins)
     listens = 0
     changed = executions.changed
 
@@ -624,7 +602,7 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
         await asyncio.sleep(0.01)
     wave = time.perf_counter() - t0
     turns = sum(len(r.trajectory) for r in agent.rollouts.values())
-    paused = True  # the model pauses first (NeMo-RL's order), then the agent is asked to park
+    stand_ins.paused = True  # the model pauses first (NeMo-RL's order), then the agent is asked to park
     await asyncio.sleep(0.3)
     t1 = time.perf_counter()
     executions.request_park()

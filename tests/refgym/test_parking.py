@@ -12,56 +12,20 @@ protocol and proof tests.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
-import httpx
-import msgspec
-
+from devtools.agent_stand_ins import StandIns, stand_in_agent
 from gymkit.agent_control import AgentExecutions
 from refgym.agent_server import MAX_OPEN_CALLS, RefAgent, Rollout
-from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
-from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID
+from refgym.api import StartRollout
 
 ROLLOUTS = 5 * MAX_OPEN_CALLS
 
 
-class StandIns:
-    """Model calls are held until ``release`` is set; each one is counted, paused or not."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.model_calls = 0
-        self.paused = False
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/v1/responses":
-            self.model_calls += 1
-            if self.paused:  # Gym's model admission: 409 checkpoint_parked, retry after a second
-                return httpx.Response(409, json={"error": {"code": "checkpoint_parked", "detail": "paused"}},
-                                      headers={"retry-after": "1"})
-            await self.release.wait()
-            call = json.loads(request.content)
-            reply = ModelReply(response_id="r", model="m", capture_key=call["capture_key"],
-                               model_call_id=call["model_call_id"], generation_token_ids=[1, 2],
-                               generation_log_probs=[-0.1, -0.2], cum_len=len(call["prompt_token_ids"]) + 2,
-                               digest="0" * 64, parent_resolution="root")
-            return httpx.Response(200, content=msgspec.json.encode(reply))
-        if path.startswith("/tools/"):
-            revision = int(request.headers[HEADER_EXPECTED_REVISION]) + 1
-            tool = ToolReply(resource="tools", tool=path.rsplit("/", 1)[1],  # type: ignore[arg-type]
-                             session_id=request.headers[HEADER_ROLLOUT_ID], revision=revision, result={"count": 1})
-            return httpx.Response(200, content=msgspec.json.encode(tool), headers={REVISION_HEADER: str(revision)})
-        return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})  # session reset
-
-
 def test_parking_sends_no_model_call_for_rollouts_still_waiting_for_a_slot() -> None:
     async def scenario() -> tuple[int, int, int, bool]:
-        stand_ins = StandIns()
-        executions = AgentExecutions()
-        agent = RefAgent("agent0", "http://model.test", {"notes": "http://resources.test"}, executions)
-        agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_ins))
+        stand_ins = StandIns(hold=True)  # model calls wait for release: every turn slot holds one in flight
+        agent, executions = stand_in_agent(stand_ins)
         for i in range(ROLLOUTS):
             agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
         while stand_ins.model_calls < MAX_OPEN_CALLS:  # every turn slot holds a model call in flight

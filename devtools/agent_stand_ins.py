@@ -1,0 +1,67 @@
+"""A reference agent alone, its policy model and ``notes`` resources server replaced by stand-ins
+(httpx's mock transport), so a test or a benchmark can count what the agent does: model calls sent
+and refused, the kit's change events listened to. The agent's own code runs unchanged.
+
+    stand_ins = StandIns()
+    agent, executions = stand_in_agent(stand_ins)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+
+from gymkit.agent_control import AgentExecutions
+from refgym.agent_server import RefAgent
+from refgym.api import REVISION_HEADER, ModelReply, ToolReply
+from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID
+
+
+class StandIns:
+    """The model and the ``notes`` tool, each answering after ``delay_s`` (0: one loop turn, as a real
+    round trip yields). ``paused``: the model refuses new calls as Gym's paused admission does (409
+    ``checkpoint_parked``, retry after a second). With ``hold``, accepted model calls wait until
+    ``release`` is set. Counts every model call (``model_calls``) and every refusal (``refused``)."""
+
+    def __init__(self, delay_s: float = 0.0, hold: bool = False) -> None:
+        self.delay_s = delay_s
+        self.release = asyncio.Event()
+        if not hold:
+            self.release.set()
+        self.paused = False
+        self.model_calls = 0
+        self.refused = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        await asyncio.sleep(self.delay_s)
+        if path == "/v1/responses":
+            self.model_calls += 1
+            if self.paused:
+                self.refused += 1
+                return httpx.Response(409, json={"error": {"code": "checkpoint_parked", "detail": "paused"}},
+                                      headers={"retry-after": "1"})
+            await self.release.wait()
+            call = json.loads(request.content)
+            reply = ModelReply(response_id="r", model="m", capture_key=call["capture_key"],
+                               model_call_id=call["model_call_id"], generation_token_ids=[1, 2],
+                               generation_log_probs=[-0.1, -0.2], cum_len=len(call["prompt_token_ids"]) + 2,
+                               digest="0" * 64, parent_resolution="root")
+            return httpx.Response(200, content=msgspec.json.encode(reply))
+        if path.startswith("/tools/"):
+            revision = int(request.headers[HEADER_EXPECTED_REVISION]) + 1
+            tool = ToolReply(resource="tools", tool="notes", session_id=request.headers[HEADER_ROLLOUT_ID],
+                             revision=revision, result={"count": 1})
+            return httpx.Response(200, content=msgspec.json.encode(tool), headers={REVISION_HEADER: str(revision)})
+        return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})  # session reset / end
+
+
+def stand_in_agent(stand_ins: StandIns) -> tuple[RefAgent, AgentExecutions]:
+    """A reference agent ``agent0`` (tool ``notes``) whose calls go to ``stand_ins``, and its kit."""
+    executions = AgentExecutions()
+    agent = RefAgent("agent0", "http://model.test", {"notes": "http://tools.test"}, executions)
+    agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_ins))
+    return agent, executions
