@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ PROGRESS_ATTEMPTS = 5  # a progress poll of one agent, asked again on a transpor
 TARGETS = {(10, 10_000): 1.0, (100, 100_000): 5.0}  # the issue's pause targets, seconds
 RESTORE_TARGET_RATIO = 2.0  # restore <= 2x the pause
 MAX_RESTORE_FAILURES = 2  # restores that may fail (recorded in the report) before a point gives up
+FLOOR_THREADS = 8  # the bare-files baseline's writer threads (as snapformat.gym_dir.FSYNC_WORKERS)
 
 #: (key, label, what it includes), in table order. Keys are those of a cycle's ``times_s``.
 PHASES: list[tuple[str, str, str]] = [
@@ -110,12 +112,21 @@ PHASES: list[tuple[str, str, str]] = [
      "one lineage file per capture key (all N rollouts: one server), `storage-references.jsonl`, `manifest.json`"),
     ("commit_resource", "  commit: resources (slowest)", "the slowest resources commit: a session file per "
      "exported session and `manifest.json`"),
-    ("adopt", "adopt Gym's files", "`gym_parts.adopt_commit`: check each participant's `manifest.json` against the "
-     "bytes, hash the files in place and write a part manifest per participant"),
-    ("publish", "publish", "`draft.publish`: the snapshot manifest and the create-only commit record"),
     ("resume", "resume (whole step)", "`NemoGym.resume_checkpoint`: every resources server at once, then the model, "
      "then every agent at once (releasing the parked rollouts); dispatch reopens"),
-    ("pause_total", "total pause (prepare start -> resume end)", "wall time of every row above"),
+    ("pause_total", "total pause (prepare start -> resume end)", "wall time of every row above: the pause in the "
+     "controller's default order (`ControllerConfig.write_mode` `background`), where Gym is resumed once its files "
+     "are committed and adoption and publish follow while the rollouts run"),
+    ("adopt", "after the resume: adopt Gym's files", "`gym_parts.adopt_commit`: check each participant's "
+     "`manifest.json` against the bytes, hash the files in place and write a part manifest per participant"),
+    ("publish", "after the resume: publish", "`draft.publish`: the snapshot manifest and the create-only commit "
+     "record"),
+    ("until_published", "prepare start -> snapshot published", "the pause, then adopt and publish (these two "
+     "share the cores with the resumed rollouts, so each takes longer than it would inside the pause)"),
+    ("bare_files", "baseline: Gym's files with bare os calls", "the last snapshot's Gym files (same folders, count "
+     "and sizes) written by one process with plain `os` calls as CONTROL §6 asks (temp, write, fsync, rename on "
+     f"{FLOOR_THREADS} threads, each folder fsynced once), no servers: the disk's cost of the files a commit must "
+     "write, measured after the pauses in the same run (median of as many repeats as pauses)"),
     ("restore", "restore (whole step)", "`NemoGym.restore_checkpoint` on fresh servers: the model (reads its ledger "
      "folder, fences tombstones and source attempts), then every agent at once (each parked rollout becomes the "
      "continuation of attempt n+1), then every resources server at once (sessions as attempt n+1)"),
@@ -249,6 +260,13 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
     times["commit_agent"] = _slowest(commit, AGENTS)
     times["commit_model"] = _slowest(commit, MODELS)
     times["commit_resource"] = _slowest(commit, RESOURCES)
+    # The controller's default order (ControllerConfig.write_mode "background"): Gym's files are
+    # committed and Gym resumed; adoption and publish follow while the rollouts run again.
+    t = time.perf_counter()
+    await gym.resume_checkpoint(ck, deadline)
+    end = time.perf_counter()
+    times["resume"] = end - t
+    times["pause_total"] = end - t_pause
     t = time.perf_counter()
     parts = await asyncio.to_thread(gym_parts.adopt_commit, draft, cdir, commit)
     times["adopt"] = time.perf_counter() - t
@@ -256,11 +274,7 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
     published = await asyncio.to_thread(draft.publish, receipts=parts.receipts, gym_commit=parts.gym_commit,
                                         topology_fingerprint=manifest_fingerprint(fingerprint))
     times["publish"] = time.perf_counter() - t
-    t = time.perf_counter()
-    await gym.resume_checkpoint(ck, deadline)
-    end = time.perf_counter()
-    times["resume"] = end - t
-    times["pause_total"] = end - t_pause
+    times["until_published"] = time.perf_counter() - t_pause
     counts = {
         "agent_servers": len(commit.of(AGENTS)),
         "resources_servers": len(commit.of(RESOURCES)),
@@ -312,12 +326,55 @@ async def restore_once(dep: Deployment, token: str, store: SnapshotStore, publis
     return times, counts
 
 
+def gym_file_sizes(published: Any) -> dict[str, int]:
+    """Each Gym file of a published snapshot (its path under ``gym/``) and its size; part manifests
+    (ours, not Gym's) left out."""
+    return {f.path: f.size for f in published.manifest.files
+            if f.path.startswith(f"{gym_parts.GYM_FOLDER}/") and not f.path.endswith(f"/{layout.PART_MANIFEST_NAME}")}
+
+
+def bare_files(root: Path, sizes: dict[str, int]) -> float:
+    """The baseline of a commit's files: write ``sizes`` (relative path -> bytes) under the new folder
+    ``root`` with plain ``os`` calls, as CONTROL §6 asks of every file (temp, write, fsync, rename, on
+    :data:`FLOOR_THREADS` threads; then each folder fsynced once), and return the seconds taken. The
+    folders are created first, not timed."""
+    folders = sorted({(root / rel).parent for rel in sizes})
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+    payload = memoryview(os.urandom(max(sizes.values(), default=0)))
+
+    def one(item: tuple[str, int]) -> None:
+        path = root / item[0]
+        tmp = path.parent / f".tmp-{path.name}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = payload[:item[1]]
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(FLOOR_THREADS) as pool:
+        list(pool.map(one, sizes.items()))
+    for folder in folders:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t
+
+
 def _total(step: StepResult, component: str, attr: str) -> int:
     return sum(getattr(p.reply, attr) for p in step.of(component))
 
 
 async def measure_point(workdir: Path, token: str, token_file: Path, store_root: Path, servers: int, n: int,
-                        repeats: int, tag: str, log: Log, budget_s: float | None = None) -> dict[str, Any]:
+                        repeats: int, tag: str, log: Log, budget_s: float | None = None,
+                        actor_pool: int | None = None) -> dict[str, Any]:
     """One (servers, rollouts) point: one set-up (not timed), ``repeats`` checkpoints of the live
     rollouts (resumed in between, each running on for :data:`RUN_BETWEEN_S`), then every host
     SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers."""
@@ -331,7 +388,7 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         over = _budget(budget_s)
         log(f"S={servers} N={n:,}: {len(dep.hosts)} host processes, every rollout past its first turn after "
             f"{setup_s:.0f} s (not timed)")
-        gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S)
+        gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, connections=actor_pool)
         pauses: list[tuple[dict[str, float], dict[str, int]]] = []
         pause_failures: list[str] = []
         try:
@@ -362,6 +419,14 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
             await gym.close()
     finally:
         dep.kill()  # the crash: every server of every host, SIGKILL
+    # The disk's share: the same files with bare os calls, once per pause, into fresh folders as the
+    # pauses wrote theirs (none removed in between: removals on this disk slow the creates after them).
+    sizes = gym_file_sizes(published)
+    floors = [bare_files(store_root.parent / f"bare-{tag}-{i}", sizes) for i in range(len(pauses))]
+    for i in range(len(pauses)):
+        shutil.rmtree(store_root.parent / f"bare-{tag}-{i}", ignore_errors=True)
+    log(f"S={servers} N={n:,} baseline: {len(sizes):,} Gym files with bare os calls: "
+        + ", ".join(f"{x * 1e3:,.0f}" for x in floors) + " ms")
     restores: list[tuple[dict[str, float], dict[str, int]]] = []
     restart_s: list[float] = []
     failures: list[str] = []
@@ -393,11 +458,12 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
     if not restores:
         raise RuntimeError(f"no restore succeeded: {'; '.join(failures)}")
     median = {k: statistics.median(t[k] for t, _ in (pauses if k in pauses[0][0] else restores))
-              for k, _, _ in PHASES}
+              for k, _, _ in PHASES if k != "bare_files"} | {"bare_files": statistics.median(floors)}
     return {
         "servers": servers, "n": n, "repeats": len(pauses), "restore_repeats": len(restores), "hosts": len(dep.hosts),
         "pauses": [{"times_s": t, "counts": c} for t, c in pauses],
         "restores": [{"times_s": t, "counts": c} for t, c in restores],
+        "bare_files_s": floors, "gym_files": len(sizes), "gym_file_bytes": sum(sizes.values()),
         "median_s": median,
         "median_bytes": statistics.median(c["snapshot_bytes"] for _, c in pauses),
         "counts": pauses[-1][1] | restores[-1][1] | {"requested": n},
@@ -412,8 +478,9 @@ def _budget(budget_s: float | None) -> Callable[[float], bool]:
 
 
 def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, log: Log | None = None,
-        workdir: Path | None = None, repeats: int | None = None) -> dict[str, Any]:
-    """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``)."""
+        workdir: Path | None = None, repeats: int | None = None, actor_pool: int | None = None) -> dict[str, Any]:
+    """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``).
+    ``actor_pool``: the NemoGym actor's HTTP pool size (default: sized to the servers)."""
     if not points or any(s < 1 or n < s for s, n in points):
         raise ValueError(f"points: {points!r} (expected (servers >= 1, rollouts >= servers))")
     log = log or _say
@@ -434,7 +501,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
             try:
                 per_point.append(asyncio.run(measure_point(tmp / "hosts", token, token_file,
                                                            tmp / f"store-{servers}-{n}", servers, n, reps,
-                                                           f"s{servers}n{n}", log, budget)))
+                                                           f"s{servers}n{n}", log, budget, actor_pool)))
             except Exception as exc:  # noqa: BLE001 - reported; the other points still count
                 # What the host processes said (a host that died leaves its traceback there).
                 said = [f"{log_path.name}: {' | '.join(tail)}" for log_path in sorted((tmp / "hosts").glob("*.log"))
@@ -462,7 +529,9 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
 
 
 # -- the report --------------------------------------------------------------------------------------------
-def _ms(s: float) -> str:
+def _ms(s: float | None) -> str:
+    if s is None:  # a step a result of an older benchmark did not measure
+        return "–"
     ms = s * 1e3
     return f"{ms:.1f}" if ms < 100 else f"{ms:,.0f}"
 
@@ -483,12 +552,17 @@ def verdicts(result: dict[str, Any]) -> list[str]:
             out.append(f"- {p['n']:,} rollouts on {p['servers']} agent servers: restore {m['restore_total']:.2f} s = "
                        f"{ratio:.2f}x the pause, against <= {RESTORE_TARGET_RATIO:g}x: "
                        f"**{'met' if ratio <= RESTORE_TARGET_RATIO else 'NOT met'}**.")
+        if (key in TARGETS or result["quick"]) and m.get("bare_files"):
+            out.append(f"- {p['n']:,} rollouts on {p['servers']} agent servers: the commit took {m['commit']:.2f} s = "
+                       f"{m['commit'] / m['bare_files']:.2f}x the same {p['gym_files']:,} Gym files "
+                       f"({p['gym_file_bytes'] / 1e6:.1f} MB) written with bare os calls ({m['bare_files']:.2f} s); "
+                       f"the pause is {m['pause_total'] / m['bare_files']:.2f}x them.")
     return out
 
 
 def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
     r = result
-    pts = r["per_point"]
+    pts = sorted(r["per_point"], key=lambda p: (p["n"], p["servers"]))
     reps = ", ".join(f"{p['repeats']} pauses / {p['restore_repeats']} restores at ({p['servers']}, {p['n']:,})"
                      for p in pts)
     head = "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,} (ms)" for p in pts) + " |"
@@ -529,7 +603,7 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
     ]
     for key, label, _ in PHASES:
         bold = "**" if key.endswith("_total") else ""
-        cells = " | ".join(_ms(p["median_s"][key]) for p in pts)
+        cells = " | ".join(_ms(p["median_s"].get(key)) for p in pts)
         shown = f"↳ {label.strip()}" if label.startswith("  ") else label
         lines.append(f"| {bold}{shown}{bold} | {cells} |")
     lines += ["", "## What the servers reported (last repeat of each point)", "",
@@ -559,14 +633,15 @@ def plot(result: dict[str, Any], results: Path) -> list[Path]:
     """``scale_pause.png``: pause and restore (and the largest steps) against parked rollouts."""
     from benchmarks import common
 
-    pts = result["per_point"]
+    pts = sorted(result["per_point"], key=lambda p: (p["n"], p["servers"]))
     if len(pts) < 2:
         return []
     xs = list(range(len(pts)))  # one tick per point: (1, 1,000) and (10, 1,000) share a rollout count
-    series = [(label, xs, [p["median_s"][key] for p in pts], style) for key, label, style in (
+    series = [(label, xs, [p["median_s"].get(key) for p in pts], style) for key, label, style in (
         ("pause_total", "total pause", "o-"), ("restore_total", "total restore", "s--"),
-        ("prepare", "prepare", "^:"), ("commit", "commit", "v:"), ("adopt", "adopt", "d:"))]
-    labels = [f"{p['n']:,}\n{p['servers']} srv" for p in pts]
+        ("prepare", "prepare", "^:"), ("commit", "commit", "v:"), ("adopt", "adopt (after the resume)", "d:"),
+        ("bare_files", "baseline: Gym's files, bare os calls", "x-."))]
+    labels = [f"{p['n']:,} / {p['servers']} srv" for p in pts]
     path = common.plot(results / common.png_name("scale_pause", result["quick"]),
                        "Pause and restore vs parked rollouts (agent servers under each)",
                        "point (parked rollouts, agent servers)", "seconds", series, logx=False, xticks=xs,
@@ -633,11 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(data.get("result", data)))
         return 0
     points = tuple(tuple(x) for x in opts.point) if opts.point else (QUICK_POINTS if opts.quick else FULL_POINTS)
-    if opts.actor_pool:
-        from coordinator import gym_actor
-
-        gym_actor.pool_size = lambda servers: opts.actor_pool  # read when the actor opens its client
-    result = run(points, opts.quick, repeats=opts.repeats)  # type: ignore[arg-type]
+    result = run(points, opts.quick, repeats=opts.repeats, actor_pool=opts.actor_pool)  # type: ignore[arg-type]
     if opts.json:
         opts.json.write_bytes(msgspec.json.encode(result))
     print(markdown(result))

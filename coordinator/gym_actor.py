@@ -96,12 +96,16 @@ def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class NemoGym:
-    """Calls to a set of Gym servers, each control call authenticated with ``token``."""
+    """Calls to a set of Gym servers, each control call authenticated with ``token``. ``connections``:
+    the HTTP pool's size (default :func:`pool_size` of the servers)."""
 
     def __init__(self, servers: Mapping[str, str] | Sequence[str], token: str, *,
-                 control_timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+                 control_timeout_s: float = CONTROL_TIMEOUT_S, connections: int | None = None) -> None:
         if not servers:
             raise ValueError("NemoGym needs at least one Gym server")
+        if connections is not None and connections < 1:
+            raise ValueError(f"connections is {connections}, expected at least 1")
+        self._connections = pool_size(len(servers)) if connections is None else connections
         self._servers: Mapping[str, str] | list[str] = (
             {k: v.rstrip("/") for k, v in servers.items()} if isinstance(servers, Mapping)
             else [u.rstrip("/") for u in servers])
@@ -115,7 +119,7 @@ class NemoGym:
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
-                max_connections=pool_size(len(self._servers)), max_keepalive_connections=pool_size(len(self._servers)),
+                max_connections=self._connections, max_keepalive_connections=self._connections,
                 keepalive_expiry=KEEPALIVE_EXPIRY_S))  # kept alive, every server's (httpx keeps 20 by default)
         return self._http
 

@@ -508,18 +508,32 @@ class AgentExecutions:
 
     async def wait_prepared(self, deadline_ts: float, stop: Callable[[], bool] = lambda: False) -> AgentStatus:
         """Wait until nothing is running (ready or not), ``stop()`` is true, or the deadline passes;
-        return the status then."""
+        return the status then. Each wake-up counts (O(executions), no views); the status object,
+        with a view of every execution, is built once, at the end: it used to be built at every park,
+        O(N) each, which made a prepare of N parking rollouts O(N^2)."""
         while True:
-            report = self.status()
-            if report.ready_to_commit or report.running == 0 or stop():
-                return report
+            ready, running = self._readiness()
+            if ready or running == 0 or stop():
+                return self.status()
             remaining = deadline_ts - time.time()
             if remaining <= 0:
-                return report
+                return self.status()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=remaining)
             except TimeoutError:
                 return self.status()
+
+    def _readiness(self) -> tuple[bool, int]:
+        """``(ready_to_commit, running)`` of :meth:`status`, counted without building it."""
+        blocking = parked_without_boundary = completed = 0
+        for ex in self._executions.values():
+            if ex.state in ("running", "park_requested"):
+                blocking += 1
+            elif ex.state == "completed":
+                completed += 1
+            elif ex.state == "parked" and ex.boundary is None:
+                parked_without_boundary += 1
+        return not blocking and not parked_without_boundary and not completed, blocking
 
     def reopen(self) -> int:
         """Resume: open admission; executions asked to park run on; parked ones are released (their
@@ -564,10 +578,11 @@ class AgentExecutions:
         without_boundary = [ex for ex in active if ex.state == "parked" and ex.boundary is None]
         completed = [ex for ex in every if ex.state == "completed"]
         blocking = [ex for ex in active if ex.state in ("running", "park_requested")]
+        ready, running = self._readiness()  # the one rule, shared with wait_prepared
         return AgentStatus(
             state="accepting" if self._accepting else "preparing",
-            ready_to_commit=not blocking and not without_boundary and not completed,
-            running=len(blocking),
+            ready_to_commit=ready,
+            running=running,
             parked=len(with_boundary) + len(without_boundary),
             parked_with_boundary=len(with_boundary),
             parked_without_boundary=len(without_boundary),

@@ -77,10 +77,13 @@ from snapformat.gym_dir import (
     continuation_roots_sha256,
     decode_strict,
     document_bytes,
+    folder_of,
     jsonl_bytes,
+    load_manifest,
     manifest_bytes,
     read_ref_rows,
     read_tar_members,
+    ref_name,
     root_order,
     sha256_hex,
     tar_bytes,
@@ -90,7 +93,8 @@ from snapformat.gym_dir import (
 
 __all__ = [
     "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "continuation_roots",
-    "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "jsonl_bytes",
+    "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "iter_resource_dependencies",
+    "jsonl_bytes",
     "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_jsonl", "read_ledger_dir",
     "read_resources_dir", "record_json", "stream_agent_archives", "write_agent_archives", "write_agent_dir",
     "write_jsonl", "write_ledger_dir", "write_manifest", "write_resources_dir",
@@ -241,20 +245,7 @@ def _archive_records(folder: Path, archives: list[AgentArchive], index: list[Age
     for name, archive in known.items():
         members = _checked_archive(folder / name, archive)
         for n in rows_of[name]:
-            row = index[n]
-            at = f"{folder / AGENT_INDEX_NAME}: row {n + 1}"
-            data = members.get(row.member)
-            where = f"{folder / row.archive}: member {row.member!r}"
-            if data is None:
-                raise CorruptSnapshotError(f"{where}: missing, but {at} indexes it")
-            if len(data) != row.bytes or sha256_hex(data) != row.sha256:
-                raise CorruptSnapshotError(f"{where}: {len(data)} bytes with sha256 {sha256_hex(data)}, {at} expects "
-                                           f"{row.bytes} bytes with sha256 {row.sha256}")
-            rec = decode_strict(data, AgentBoundaryRecord, where)
-            if (rec.rollout_id, rec.attempt_index) != (row.rollout_id, row.attempt_index):
-                raise CorruptSnapshotError(f"{where}: holds ({rec.rollout_id!r}, {rec.attempt_index}), {at} expects "
-                                           f"({row.rollout_id!r}, {row.attempt_index})")
-            yield n, rec
+            yield n, _indexed_record(folder, members, index[n], n)
         del members
 
 
@@ -405,6 +396,70 @@ def iter_agent_dir(instance_dir: str | os.PathLike[str]) -> tuple[AgentManifest,
     _checkpoint_dir_of(folder, checked.base)
     manifest: AgentManifest = checked.manifest
     return manifest, iter_agent_records(folder, manifest.archives, checked.index)
+
+
+def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
+                               ) -> Iterator[tuple[tuple[str, int], dict[str, int]]]:
+    """What each boundary record of an agent instance's folder says it saw of the resources servers:
+    ``((rollout_id, attempt_index), resource_state_revisions)``, one per record, read from the agent's
+    dependency index rather than from every record.
+
+    A record with a continuation root (its attempt in ``continuations.jsonl``, whose
+    ``resource_state_revisions`` the writer copies from the record, CONTROL §6) is answered by the
+    root; only a record without one (no committed model call yet, or a root from before dependency
+    tracking, ``null``) is read from its archive member. Checked: the manifest, both artifact
+    references (inside the folder; ``sha256``, ``bytes``, ``records``), ``records`` against the index,
+    and each member read against its index row (``bytes``, ``sha256``, rollout id and attempt), which
+    the manifest binds through the index's reference. Archives are not hashed whole: a resources
+    server restoring reads the agents' small index files, not their records (the agent's own restore
+    checks every byte of its folder).
+    """
+    folder = Path(instance_dir)
+    _, manifest, _ = load_manifest(folder, "agent")
+    assert isinstance(manifest, AgentManifest)
+    base = folder_of("agent", manifest)
+    checkpoint_dir = _checkpoint_dir_of(folder, base)
+    where = str(folder / MANIFEST_NAME)
+    for field, ref in (("record_index", manifest.record_index), ("continuation_index", manifest.continuation_index)):
+        ref_name(ref, base, f"{where}: {field}")  # the reference must name a file of this folder
+    index: list[AgentIndexEntry] = read_ref_rows(checkpoint_dir, manifest.record_index, AgentIndexEntry)
+    if len(index) != manifest.records:
+        raise CorruptSnapshotError(f"{where}: records is {manifest.records}, the record index has {len(index)} rows")
+    roots = {(r.rollout_id, r.attempt_index): r.resource_state_revisions
+             for r in read_ref_rows(checkpoint_dir, manifest.continuation_index, AgentContinuationRoot)}
+    unrooted: dict[str, list[int]] = {}
+    for n, row in enumerate(index):
+        revisions = roots.get((row.rollout_id, row.attempt_index))
+        if revisions is not None:
+            yield (row.rollout_id, row.attempt_index), revisions
+        else:
+            unrooted.setdefault(row.archive, []).append(n)
+    archives = {a.name for a in manifest.archives}
+    for name, positions in unrooted.items():
+        if name not in archives:
+            raise CorruptSnapshotError(f"{folder / AGENT_INDEX_NAME}: row {positions[0] + 1}: archive {name!r} is not "
+                                       "among the manifest's archives")
+        members = read_tar_members(folder / name)
+        for n in positions:
+            rec = _indexed_record(folder, members, index[n], n)
+            yield (rec.rollout_id, rec.attempt_index), rec.resource_state_revisions
+
+
+def _indexed_record(folder: Path, members: dict[str, bytes], row: AgentIndexEntry, n: int) -> AgentBoundaryRecord:
+    """The record of index row ``n`` (0-based) from its archive's ``members``, checked against the row."""
+    at = f"{folder / AGENT_INDEX_NAME}: row {n + 1}"
+    where = f"{folder / row.archive}: member {row.member!r}"
+    data = members.get(row.member)
+    if data is None:
+        raise CorruptSnapshotError(f"{where}: missing, but {at} indexes it")
+    if len(data) != row.bytes or sha256_hex(data) != row.sha256:
+        raise CorruptSnapshotError(f"{where}: {len(data)} bytes with sha256 {sha256_hex(data)}, {at} expects "
+                                   f"{row.bytes} bytes with sha256 {row.sha256}")
+    rec: AgentBoundaryRecord = decode_strict(data, AgentBoundaryRecord, where)
+    if (rec.rollout_id, rec.attempt_index) != (row.rollout_id, row.attempt_index):
+        raise CorruptSnapshotError(f"{where}: holds ({rec.rollout_id!r}, {rec.attempt_index}), {at} expects "
+                                   f"({row.rollout_id!r}, {row.attempt_index})")
+    return rec
 
 
 def read_ledger_dir(ledger_folder: str | os.PathLike[str]

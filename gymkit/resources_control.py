@@ -27,10 +27,14 @@ prepare or restore leaves admission closed and the phase idle (CONTROL.md §2).
 
 **Agent revisions on restore.** Gym ``020d836e`` checks the snapshots against the revisions the
 agents' committed boundaries saw, but reads them from an agent manifest ``files`` map that the
-``9380654e`` archive format does not have. Here the check reads the agents' archives (every
-``agent/**/manifest.json`` in the same ``checkpoint_dir``, verified) and goes one way: every session
-an agent boundary depends on must be in the checkpoint at exactly that revision
-(``resource_revision_mismatch``); a session no boundary names is restored as it is.
+``9380654e`` archive format does not have. Here the check reads the agents' dependency index (for
+every ``agent/**/manifest.json`` in the same ``checkpoint_dir``: the continuation roots'
+``resource_state_revisions``, and the archive member of a record without a root, each checked
+against its reference or index row; :func:`gymkit.checkpoint_dir.iter_resource_dependencies`), not
+every record, so that S resources servers restoring N rollouts read N small rows each rather than
+N records each. It goes one way: every session an agent boundary depends on must be in the
+checkpoint at exactly that revision (``resource_revision_mismatch``); a session no boundary names is
+restored as it is.
 ``resources_router(check_agent_revisions=False)`` turns it off.
 """
 
@@ -50,7 +54,7 @@ from typing import Any, Literal
 import msgspec
 from fastapi import APIRouter, Response
 
-from gymkit.checkpoint_dir import iter_agent_dir, manifest_digest, read_resources_dir, write_resources_dir
+from gymkit.checkpoint_dir import iter_resource_dependencies, manifest_digest, read_resources_dir, write_resources_dir
 from gymkit.control_http import ControlRoutes, DeadlineQuery, capabilities_route, json_response
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -595,11 +599,11 @@ def agent_revisions(checkpoint_dir: str, server_name: str) -> dict[Key, int]:
     if not root.is_dir():
         return seen
     for manifest_path in sorted(root.rglob(MANIFEST_NAME)):
-        # streamed: only the revisions of this server are kept, not every agent's records
-        _, records = iter_agent_dir(manifest_path.parent)
-        for r in records:
-            if server_name in r.resource_state_revisions:
-                key, rev = (r.rollout_id, r.attempt_index), r.resource_state_revisions[server_name]
+        # the agents' dependency index (continuation roots), not every record: each of S resources
+        # servers would otherwise read all N records, S x N at scale; only this server's revisions are kept
+        for key, revisions in iter_resource_dependencies(manifest_path.parent):
+            if server_name in revisions:
+                rev = revisions[server_name]
                 if seen.setdefault(key, rev) != rev:
                     raise ControlError("resource_revision_mismatch", f"agent records of {_key_text(key)} name "
                                                                      f"revisions {seen[key]} and {rev} of {server_name!r}")

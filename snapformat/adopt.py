@@ -55,6 +55,7 @@ from snapformat.gym_dir import (
     component_of_fields,
     component_of_prefix,
     list_folder,
+    scan_file,
     scan_folder,
 )
 from snapformat.kinds import GYM_FILE_KIND
@@ -235,18 +236,28 @@ def check_part(snap: Snapshot, prefix: str) -> str:
     if local is None:
         raise InvalidPathError(f"{snap.url}: part {prefix!r} is not on local disk; download it with materialize_part")
     folder = Path(local)
+    # One read per file: the scan Gym's manifest check needs also gives the store's checksum.
+    facts: dict[str, FileFacts] = {}
     for name, f in sorted(names.items()):
         path = folder / name
         try:
             size = path.stat().st_size
-            with open(path, "rb") as fh:
-                checksum = checksum_stream(fh, f.checksum) if size == f.size else None
         except FileNotFoundError:
             raise CorruptSnapshotError(f"{snap.where(f)}: listed by part {prefix!r} but missing") from None
+        checksum = None
+        if size == f.size:
+            facts[name] = scan_file(path)
+            checksum = facts[name].checksum
+            if checksum.partition(":")[0] != f.checksum.partition(":")[0]:  # another algorithm: a second read
+                with open(path, "rb") as fh:
+                    checksum = checksum_stream(fh, f.checksum)
         if size != f.size or checksum != f.checksum:
             raise CorruptSnapshotError(f"{snap.where(f)}: size {size}, checksum {checksum}; the part manifest lists "
                                        f"size {f.size}, checksum {f.checksum}")
-    _check_gym_manifest(folder, prefix, names)
+    for name in list_folder(folder):  # files the part does not list: Gym's check sees them, as on adoption
+        if name not in facts:
+            facts[name] = scan_file(folder / name)
+    _check_gym_manifest(folder, prefix, names, facts)
     return str(folder)
 
 
@@ -271,12 +282,15 @@ def _part_files(snap: Snapshot, prefix: str) -> dict[str, FileEntry]:
     return names
 
 
-def _check_gym_manifest(folder: Path, prefix: str, names: dict[str, FileEntry]) -> None:
+def _check_gym_manifest(folder: Path, prefix: str, names: dict[str, FileEntry],
+                        facts: dict[str, FileFacts] | None = None) -> None:
+    """Gym's ``manifest.json`` of a part's ``folder`` against the bytes (``facts``: :func:`scan_folder`'s
+    when already computed)."""
     component = component_of_prefix(prefix)
     if component is not None:
-        check_folder(folder, component=component, base=prefix.split("/", 1)[1])
+        check_folder(folder, component=component, base=prefix.split("/", 1)[1], facts=facts)
     elif MANIFEST_NAME in names:
-        check_gym_part(folder, prefix, scan_folder(folder))
+        check_gym_part(folder, prefix, scan_folder(folder) if facts is None else facts)
 
 
 def _verified(snap: Snapshot, entry: FileEntry) -> Iterator[bytes]:

@@ -30,12 +30,26 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     assert c["model_commit_rollouts"] == n == c["model_restore_rollouts"], c
     assert c["model_commit_calls"] >= n and c["model_restore_calls"] == c["model_commit_calls"], c
     assert c["snapshot_bytes"] > 0
+    t = p["pauses"][0]["times_s"]  # the pause ends at the resume; adoption and publish come after it
+    assert t["until_published"] >= t["pause_total"] + t["adopt"] + t["publish"] > t["pause_total"], t
+    # the baseline counted every Gym file: per agent its archive, index, continuations and manifest; per resources
+    # server a session per rollout and its manifest; the model a lineage per rollout, its references and manifest
+    assert p["gym_files"] == 4 * servers + (n + servers) + (n + 2) and len(p["bare_files_s"]) == 1, p
+    assert p["gym_file_bytes"] > 0
 
     md = scale_bench.markdown(res, scale_bench.plot(res, tmp_path / "results"))
     assert md.startswith("# Scale benchmark") and "| step | 2 srv, 40 (ms) |" in md
     for _, label, _ in scale_bench.PHASES:
         assert label.strip() in md, label
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up
+
+
+def test_the_bare_files_baseline_writes_the_sizes_it_is_given(tmp_path: Path) -> None:
+    sizes = {"gym/agent/instance-x/a.tar": 10_000, "gym/resources/t/s.a0.json": 0, "gym/resources/t/manifest.json": 7}
+    assert scale_bench.bare_files(tmp_path / "bare", sizes) > 0
+    written = {p.relative_to(tmp_path / "bare").as_posix(): p.stat().st_size
+               for p in (tmp_path / "bare").rglob("*") if p.is_file()}
+    assert written == sizes  # every file at its size under its name, no temporary file left
 
 
 def test_scale_plot_is_written(tmp_path: Path) -> None:

@@ -49,10 +49,10 @@ def test_the_pool_has_a_connection_per_server_bounded() -> None:
 
 @pytest.mark.timeout(60)
 def test_every_server_of_a_step_is_called_at_once() -> None:
-    async def scenario() -> int:
+    async def scenario(connections: int | None) -> int:
         server, port, arrived = await _barrier_server(SERVERS)
         url = f"http://127.0.0.1:{port}"
-        gym = NemoGym({f"agent{i:02d}": url for i in range(SERVERS)}, "token")
+        gym = NemoGym({f"agent{i:02d}": url for i in range(SERVERS)}, "token", connections=connections)
         try:
             # What GymFleet does for one step: one call per server, all gathered. Each answer needs all.
             replies = await asyncio.wait_for(asyncio.gather(*(
@@ -67,5 +67,12 @@ def test_every_server_of_a_step_is_called_at_once() -> None:
         assert all(r.status_code == 200 for r in replies)
         return arrived[0]
 
-    # With a pool smaller than the servers, only the pool's worth arrive and the step never completes.
-    assert asyncio.run(scenario()) == SERVERS
+    assert asyncio.run(scenario(None)) == SERVERS
+    # With a pool smaller than the servers (the old fixed 32), only the pool's worth arrive and the step never
+    # completes: the barrier answers no call.
+    assert asyncio.run(scenario(MIN_CONNECTIONS)) == MIN_CONNECTIONS
+
+
+def test_a_pool_of_no_connection_is_refused() -> None:
+    with pytest.raises(ValueError, match="connections is 0"):
+        NemoGym(["http://127.0.0.1:1"], "token", connections=0)

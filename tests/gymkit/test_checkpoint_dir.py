@@ -437,6 +437,45 @@ def test_an_ordered_iterator_writes_the_bytes_of_a_list(tmp_path_factory, record
     assert list(lazily) == ordered
 
 
+@SETTINGS
+@given(records=record_sets())
+def test_the_resource_dependencies_are_every_records_revisions(tmp_path_factory, records) -> None:
+    """What a resources server's restore reads of an agent folder (the continuation roots, and the
+    members of records without one) is each record's ``resource_state_revisions``, one per record."""
+    base = tmp_path_factory.mktemp("deps")
+    cd.write_agent_dir(base, "ckpt-1", "agent0", records)
+    got = list(cd.iter_resource_dependencies(base / agent_instance_dir("agent0")))
+    assert sorted(got, key=repr) == sorted((((r.rollout_id, r.attempt_index), r.resource_state_revisions)
+                                           for r in records), key=repr)
+
+
+def test_the_resource_dependencies_check_what_they_read(tmp_path: Path) -> None:
+    """A record without a root is read from its member, checked against its index row; the roots are
+    checked against their reference; the records with a root are not read at all."""
+    folder = _agent_dir(tmp_path)
+    assert dict(cd.iter_resource_dependencies(folder)) == {**{(f"r{i}", 0): {"tools": i} for i in range(5)},
+                                                          ("parked", 0): {}}
+    archive = folder / "agent-part-000000.tar"
+    original = archive.read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(original)) as tf:
+        members = [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+
+    def rebuilt_with(name: str, old: bytes, new: bytes) -> None:
+        changed = [(n, d.replace(old, new) if n == name else d) for n, d in members]
+        archive.write_bytes(tar_bytes(changed))
+
+    rebuilt_with("r1.a0.json", b'"tools": 1', b'"tools": 7')  # a rooted record: answered by its root
+    assert dict(cd.iter_resource_dependencies(folder))[("r1", 0)] == {"tools": 1}
+    rebuilt_with("parked.a0.json", b'"boundary_index": 1', b'"boundary_index": 2')  # the unrooted one is read
+    with pytest.raises(CorruptSnapshotError, match=r"member 'parked.a0.json': \d+ bytes with sha256 .*agent-index"):
+        list(cd.iter_resource_dependencies(folder))
+    archive.write_bytes(original)
+    continuations = folder / CONTINUATIONS_NAME
+    continuations.write_bytes(continuations.read_bytes().replace(b'"tools":3', b'"tools":4'))
+    with pytest.raises(CorruptSnapshotError, match=r"continuations.jsonl.*sha256 is .*the reference expects"):
+        list(cd.iter_resource_dependencies(folder))
+
+
 def test_an_iterator_out_of_order_or_repeated_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidRecordError, match=r"\('a', 0\) comes after \('b', 0\)"):
         cd.write_agent_archives(tmp_path / "order", (r for r in [_record("b"), _record("a")]))

@@ -502,22 +502,24 @@ def test_restore_checks_the_agents_revisions(tmp_path: Path) -> None:
         ckdir = tmp_path / "gym"
         await committed(ckdir)
 
-        def agent_saw(revision: int) -> None:
+        def agent_saw(revision: int, call: str | None) -> None:
             rec = AgentBoundaryRecord(rollout_id="a", attempt_index=0, boundary_index=1, turn_index=1,
-                                      last_committed_model_call_id="a-call-1",
+                                      last_committed_model_call_id=call,
                                       resource_state_revisions={NAME: revision, "other-server": 9})
             write_agent_dir(ckdir, "save-1", "agent-x", [rec])
-        agent_saw(2)
-        s = Server()
-        async with serving(s) as c:
-            r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
-            err = expect_error(r, "resource_revision_mismatch")
-            assert "revision 2" in err["detail"] and s.sessions.bound() == []
-        agent_saw(3)
-        s = Server()
-        async with serving(s) as c:
-            r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
-            assert r.status_code == 200, r.text
+        # with a committed model call the revisions come from the continuation root; without one, from the record
+        for call in ("a-call-1", None):
+            agent_saw(2, call)
+            s = Server()
+            async with serving(s) as c:
+                r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
+                err = expect_error(r, "resource_revision_mismatch")
+                assert "revision 2" in err["detail"] and s.sessions.bound() == []
+            agent_saw(3, call)
+            s = Server()
+            async with serving(s) as c:
+                r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
+                assert r.status_code == 200, r.text
     run_async(main)
 
 
