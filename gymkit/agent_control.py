@@ -555,7 +555,7 @@ class AgentExecutions:
     def records_for_commit(self) -> list[AgentBoundaryRecord]:
         """The boundaries of every execution parked with one, by (rid, n); ``agent_checkpoint_error``
         unless the status is ready to commit."""
-        if not self.status().ready_to_commit:
+        if not self._readiness()[0]:
             raise ControlError("agent_checkpoint_error", "cannot commit while agent executions still block it")
         records = [ex.boundary for ex in self._executions.values() if ex.state == "parked" and ex.boundary is not None]
         return sorted(records, key=lambda r: (r.rollout_id, r.attempt_index))  # type: ignore[union-attr]

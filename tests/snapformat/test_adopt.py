@@ -27,7 +27,7 @@ from schemas.gym_files import (
 )
 from schemas.manifest import PartReceipt
 from snapformat import SnapshotStore, open_store
-from snapformat.adopt import adopt_gym_dir, adopt_part, gym_folders, materialize_gym, materialize_part
+from snapformat.adopt import adopt_gym_dir, adopt_part, check_part, gym_folders, materialize_gym, materialize_part
 from snapformat.cli import main
 from snapformat.verify import verify_snapshot
 
@@ -260,6 +260,22 @@ def test_plain_files_under_another_prefix_and_a_sealed_draft(tmp_path: Path) -> 
                      "extra/notes/part-manifest.json": 1}
     with pytest.raises(InvalidPathError, match="already sealed"):
         adopt_part(published.url, str(folder), "extra/again")
+    # A restore's check where it lies: a plain part with a manifest.json that is not Gym's, then one without
+    snap = store.latest()
+    where = Path(check_part(snap, "extra/notes"))
+    (where / "a.jsonl").write_bytes(b'{"x":1}\n\n{"x":3}\n')  # same size, another byte
+    corrupt = r"size (\d+), checksum xxh128:[0-9a-f]+; the part manifest lists size \1"
+    with pytest.raises(CorruptSnapshotError, match=r"a\.jsonl: " + corrupt):
+        check_part(snap, "extra/notes")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "c.txt").write_bytes(b"c")
+    other = store.begin()
+    snap = SnapshotStore(str(tmp_path / "store")).open(other.publish(
+        receipts=[adopt_part(other.url, str(plain), "extra/plain")]).manifest.sequence)
+    (Path(check_part(snap, "extra/plain")) / "c.txt").write_bytes(b"d")
+    with pytest.raises(CorruptSnapshotError, match=r"c\.txt: " + corrupt):
+        check_part(snap, "extra/plain")
     (folder / ".hidden").write_bytes(b"x")
     with pytest.raises(InvalidPathError, match="not a safe name"):
         adopt_part(store.begin().url, str(folder), "extra/notes")
