@@ -28,9 +28,13 @@ shared machine). Every later turn is ordinary, one HTTP call each; progress is p
 then R checkpoints of the live rollouts, each driven by :class:`coordinator.gym_actor.NemoGym` (in this
 process, without Ray: the object the Ray actor wraps), whose steps are
 :class:`gymkit.gym_fleet.GymFleet`'s fan-out (one component after the other, the servers of a
-component at once), and resumed (the rollouts run on :data:`RUN_BETWEEN_S` between two); then every
-host process is SIGKILLed, and R restores of the last snapshot follow, each on freshly started
-servers (their start not timed). Per step the wall time is reported, and inside prepare, commit and
+component at once), and resumed (the rollouts run on :data:`RUN_BETWEEN_S` between two). Gym's files
+are adopted and the snapshot published after the resume, the controller's default order
+(``write_mode`` ``background``), so the pause is prepare, commit and resume. After the pauses the
+same Gym files are written once per pause with bare ``os`` calls (:func:`bare_files`): the disk's
+own cost of what a commit must write, measured in the same run. Then every host process is
+SIGKILLed, and R restores of the last snapshot follow, each on freshly started servers (their start
+not timed). Per step the wall time is reported, and inside prepare, commit and
 restore the slowest server of each component (the step waits for it). The snapshot store is a local
 folder (:class:`snapformat.SnapshotStore`). A failed pause or restore (a server process that dies)
 is reported, not counted; a restore is tried again on fresh servers (at most
@@ -577,7 +581,9 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
         f"(model calls take {r['model_slow_ms']} ms; an agent runs at most {r['agent_open_calls']} turns at once). "
         f"Per point, one set-up (not timed), then R checkpoints of the live rollouts, each driven by "
         f"`coordinator.gym_actor.NemoGym` (in the benchmark's process, no Ray) through `gymkit.gym_fleet`'s fan-out and "
-        f"resumed (the rollouts run on {r['run_between_s']:g} s between two), then every host SIGKILLed, and R restores "
+        f"resumed (the rollouts run on {r['run_between_s']:g} s between two; Gym's files are adopted and the snapshot "
+        f"published after the resume, the controller's default `write_mode`), then the same Gym files written with "
+        f"bare os calls (the baseline), then every host SIGKILLed, and R restores "
         f"of the last snapshot, each on freshly started servers (start not timed). Times on the driver with "
         f"`time.perf_counter`, HTTP included; local snapshot store. Medians of {reps}. Load average "
         f"{r['machine']['load_average_start']} at start, {r['machine']['load_average_end']} at the end (2 cores "

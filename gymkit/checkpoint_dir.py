@@ -40,7 +40,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError
 from schemas.gym_files import (
@@ -415,8 +415,7 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
     checks every byte of its folder).
     """
     folder = Path(instance_dir)
-    _, manifest, _ = load_manifest(folder, "agent")
-    assert isinstance(manifest, AgentManifest)
+    manifest = cast(AgentManifest, load_manifest(folder, "agent")[1])  # decoded as the agent's struct
     base = folder_of("agent", manifest)
     checkpoint_dir = _checkpoint_dir_of(folder, base)
     where = str(folder / MANIFEST_NAME)
