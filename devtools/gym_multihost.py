@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,12 +72,10 @@ async def _serve(spec: HostSpec, ready_path: Path) -> None:
     from refgym.resource_server import create_app as resource_app
     from refgym.serve import bind
 
-    # One worker thread for every server hosted here. Gym's kits run commits and restores in
-    # ``asyncio.to_thread``; a process of its own per server never runs two at once, but 25 servers
-    # sharing one process and the default pool did, and such processes died of a segmentation fault
-    # inside msgspec's C extension (dmesg: ``_core.cpython-311...so`` at the same address each time),
-    # never seen with one commit thread at a time. Their commits now queue here instead.
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1, thread_name_prefix="gym-host"))
+    # Gym's kits run commits and restores in ``asyncio.to_thread``: the servers hosted here share the
+    # loop's default pool, so their commits and restores run at once, as those of one server per
+    # process would. (Such hosts used to die of a SIGSEGV in msgspec when two threads built the first
+    # decoder of a record type at once; ``snapformat.jsonl.decoder`` now builds them under a lock.)
     token = Path(spec.token_file).read_text().strip()
     socks, apps, urls = [], [], {}
 

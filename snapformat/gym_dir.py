@@ -45,7 +45,6 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import cache
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -72,6 +71,7 @@ from schemas.gym_files import (
 from schemas.gym_records import AgentContinuationRoot
 from schemas.identity import capture_key, check_name, check_relative_path
 from snapformat.checksum import new_hasher
+from snapformat.jsonl import decoder
 from snapformat.layout import GYM_PREFIX
 
 GymComponent = Literal["agent", "ledger", "resources"]
@@ -716,15 +716,10 @@ def folder_of(component: str, manifest: GymManifest) -> str:
     return resources_dir(manifest.server_name)  # type: ignore[union-attr]
 
 
-@cache
-def _decoder(record_type: Any) -> msgspec.json.Decoder:
-    return msgspec.json.Decoder(record_type)
-
-
 def decode_strict(data: bytes, record_type: Any, where: str) -> Any:
     """One JSON document or line as ``record_type`` (unknown fields refused), typed errors."""
     try:
-        return _decoder(record_type).decode(data)
+        return decoder(record_type).decode(data)  # one per type and process, built under a lock
     except msgspec.ValidationError as exc:
         raise InvalidRecordError(f"{where}: {exc} (expected a {getattr(record_type, '__name__', record_type)})") from None
     except _UNDECODABLE as exc:

@@ -9,8 +9,8 @@ and name the file, line and field of the first bad record.
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from functools import cache
 from typing import Any, BinaryIO
 
 import msgspec
@@ -54,9 +54,26 @@ def _undecodable(exc: BaseException) -> str:
     return f"not valid JSON: {exc}"
 
 
-@cache
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+_decoders_lock = threading.Lock()
+
+
 def decoder(record_type: Any) -> msgspec.json.Decoder:
-    return msgspec.json.Decoder(record_type)
+    """The JSON decoder of ``record_type``, built once per process and shared by every thread.
+
+    Built under one lock: msgspec 0.22.0 fills a Struct type's decoding tables the first time a
+    decoder of it is built, and a thread that builds or uses one meanwhile can see them half filled
+    and crash the whole process (SIGSEGV in ``json_decode_struct_map_inner``). Gym servers hosting
+    several participants hit it when their restores ran on threads at once
+    (``tests/snapformat/test_decoder_threads.py`` reproduces it without the lock).
+    """
+    found = _decoders.get(record_type)
+    if found is None:
+        with _decoders_lock:
+            found = _decoders.get(record_type)
+            if found is None:
+                found = _decoders[record_type] = msgspec.json.Decoder(record_type)
+    return found
 
 
 def encode_lines(records: Iterable[Any]) -> Iterator[bytes]:
