@@ -234,6 +234,27 @@ async def start_rollouts(dep: Deployment, n: int, tag: str, http: httpx.AsyncCli
         await asyncio.sleep(0.5)
 
 
+class Laps:
+    """Step times of one pause or restore, each from the end of the step before: ``lap(key)`` records
+    the step that just ended; ``slowest_of`` also records the slowest server of each component inside
+    it (``<key>_model``, ``<key>_agent``, ``<key>_resource``); ``total`` also records the time since
+    the first step began."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._start = self._last = time.perf_counter()
+
+    def lap(self, key: str, *, slowest_of: StepResult | None = None, total: str | None = None) -> None:
+        now = time.perf_counter()
+        self.times[key] = now - self._last
+        self._last = now
+        if slowest_of is not None:
+            for suffix, component in (("model", MODELS), ("agent", AGENTS), ("resource", RESOURCES)):
+                self.times[f"{key}_{suffix}"] = _slowest(slowest_of, component)
+        if total is not None:
+            self.times[total] = now - self._start
+
+
 def _slowest(step: StepResult, component: str) -> float:
     return max((p.seconds for p in step.of(component)), default=0.0)
 
@@ -246,39 +267,25 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
                      ck: str) -> tuple[dict[str, float], dict[str, int], Any, Any]:
     """One checkpoint of the running deployment through ``gym``, every step timed; returns the times,
     the servers' counts, the published snapshot and Gym's parts."""
-    times: dict[str, float] = {}
+    laps = Laps()
     deadline = time.time() + DEADLINE_S
-    t_pause = t = time.perf_counter()
     prep = await gym.prepare_checkpoint(ck, deadline)
-    times["prepare"] = time.perf_counter() - t
-    times["prepare_model"] = _slowest(prep, MODELS)
-    times["prepare_agent"] = _slowest(prep, AGENTS)
-    times["prepare_resource"] = _slowest(prep, RESOURCES)
-    t = time.perf_counter()
+    laps.lap("prepare", slowest_of=prep)
     draft = store.begin()
     cdir = gym_parts.save_dir(draft)
-    times["begin"] = time.perf_counter() - t
-    t = time.perf_counter()
+    laps.lap("begin")
     commit = await gym.commit_checkpoint(ck, deadline, cdir.path)
-    times["commit"] = time.perf_counter() - t
-    times["commit_agent"] = _slowest(commit, AGENTS)
-    times["commit_model"] = _slowest(commit, MODELS)
-    times["commit_resource"] = _slowest(commit, RESOURCES)
+    laps.lap("commit", slowest_of=commit)
     # The controller's default order (ControllerConfig.write_mode "background"): Gym's files are
     # committed and Gym resumed; adoption and publish follow while the rollouts run again.
-    t = time.perf_counter()
     await gym.resume_checkpoint(ck, deadline)
-    end = time.perf_counter()
-    times["resume"] = end - t
-    times["pause_total"] = end - t_pause
-    t = time.perf_counter()
+    laps.lap("resume", total="pause_total")
     parts = await asyncio.to_thread(gym_parts.adopt_commit, draft, cdir, commit)
-    times["adopt"] = time.perf_counter() - t
-    t = time.perf_counter()
+    laps.lap("adopt")
     published = await asyncio.to_thread(draft.publish, receipts=parts.receipts, gym_commit=parts.gym_commit,
                                         topology_fingerprint=manifest_fingerprint(fingerprint))
-    times["publish"] = time.perf_counter() - t
-    times["until_published"] = time.perf_counter() - t_pause
+    laps.lap("publish", total="until_published")
+    times = laps.times
     counts = {
         "agent_servers": len(commit.of(AGENTS)),
         "resources_servers": len(commit.of(RESOURCES)),
@@ -298,27 +305,21 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
 async def restore_once(dep: Deployment, token: str, store: SnapshotStore, published: Any, parts: Any,
                        fingerprint: str, source_ck: str, rid: str) -> tuple[dict[str, float], dict[str, int]]:
     """Restore ``published`` into the fresh deployment ``dep`` and resume it, every step timed."""
-    times: dict[str, float] = {}
     gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S)
     try:
         again = await gym.discover_checkpoint_capabilities()
         if again.fingerprint != fingerprint:
             raise RuntimeError("the fresh servers' topology differs from the snapshot's")
         deadline = time.time() + DEADLINE_S
-        t_restore = time.perf_counter()
+        laps = Laps()
         snap = store.open(published.manifest.sequence)
         rdir = gym_parts.restore_dir(snap, [p.part_prefix for p in parts.gym_commit.participants if p.part_prefix])
-        t = time.perf_counter()
+        laps.lap("open")
         restored = await gym.restore_checkpoint(rid, deadline, rdir.path, source_checkpoint_id=source_ck)
-        times["restore"] = time.perf_counter() - t
-        times["restore_model"] = _slowest(restored, MODELS)
-        times["restore_agent"] = _slowest(restored, AGENTS)
-        times["restore_resource"] = _slowest(restored, RESOURCES)
-        t = time.perf_counter()
+        laps.lap("restore", slowest_of=restored)
         await gym.resume_checkpoint(rid, deadline)
-        end = time.perf_counter()
-        times["resume_after_restore"] = end - t
-        times["restore_total"] = end - t_restore
+        laps.lap("resume_after_restore", total="restore_total")
+        times = {k: v for k, v in laps.times.items() if k != "open"}  # open: inside restore_total only
     finally:
         await gym.close()
     counts = {
@@ -661,20 +662,12 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
     finished its first turn, the turns run meanwhile, how often the agent kit's change event was
     listened to, and how long parking every rollout took once the model refused calls (lever 1's
     measurement; run it on the old and the new ``refgym/agent_server.py``)."""
-    from devtools.agent_stand_ins import StandIns, stand_in_agent
+    from devtools.agent_stand_ins import ListenCounter, StandIns, stand_in_agent
     from refgym.api import StartRollout
 
     stand_ins = StandIns(delay_s=0.005)
     agent, executions = stand_in_agent(stand_ins)
-    listens = 0
-    changed = executions.changed
-
-    async def counting() -> None:
-        nonlocal listens
-        listens += 1
-        await changed()
-
-    executions.changed = counting  # type: ignore[method-assign]
+    listens = ListenCounter(executions)
     t0 = time.perf_counter()
     for i in range(rollouts):
         agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=TURNS))
@@ -691,7 +684,7 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
     park = time.perf_counter() - t1
     await agent.close()
     return {"rollouts": rollouts, "first_turn_wave_s": round(wave, 2), "turns_in_wave": turns,
-            "kit_listens": listens, "park_s": round(park, 3), "parked": status.parked}
+            "kit_listens": listens.count, "park_s": round(park, 3), "parked": status.parked}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,3 +65,18 @@ def stand_in_agent(stand_ins: StandIns) -> tuple[RefAgent, AgentExecutions]:
     agent = RefAgent("agent0", "http://model.test", {"notes": "http://tools.test"}, executions)
     agent.http = httpx.AsyncClient(transport=httpx.MockTransport(stand_ins))
     return agent, executions
+
+
+class ListenCounter:
+    """Counts how often the agent kit's change event is listened to: wraps ``executions.changed``
+    (every listener awaits it) and leaves its behaviour as it was."""
+
+    def __init__(self, executions: AgentExecutions) -> None:
+        self.count = 0
+        changed = executions.changed
+
+        async def counting() -> None:
+            self.count += 1
+            await changed()
+
+        executions.changed = counting  # type: ignore[method-assign]

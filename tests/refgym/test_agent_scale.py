@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from devtools.agent_stand_ins import StandIns, stand_in_agent
+from devtools.agent_stand_ins import ListenCounter, StandIns, stand_in_agent
 from refgym import agent_server
 from refgym.agent_server import MAX_OPEN_CALLS
 from refgym.api import StartRollout
@@ -28,15 +28,7 @@ def test_rollouts_waiting_for_a_turn_slot_are_not_woken_by_every_turn_end() -> N
     async def scenario() -> tuple[int, int, bool]:
         stand_ins = StandIns()
         agent, executions = stand_in_agent(stand_ins)
-        listened = 0
-        changed = executions.changed
-
-        async def counting() -> None:
-            nonlocal listened
-            listened += 1
-            await changed()
-
-        executions.changed = counting  # type: ignore[method-assign]
+        listened = ListenCounter(executions)
         for i in range(rollouts):
             agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=turns))
         end = time.monotonic() + 60
@@ -45,7 +37,7 @@ def test_rollouts_waiting_for_a_turn_slot_are_not_woken_by_every_turn_end() -> N
             await asyncio.sleep(0.01)
         done = all(len(r.trajectory) == turns for r in agent.rollouts.values())
         await agent.close()
-        return listened, agent.wakeups, done
+        return listened.count, agent.wakeups, done
 
     listened, wakeups, done = asyncio.run(scenario())
     assert done
