@@ -36,25 +36,14 @@ from schemas.gym_files import (
 )
 from schemas.gym_records import AgentContinuationRoot
 from snapformat.gym_dir import list_folder, tar_bytes
+from tests.gym_record_strategies import IDS, REVISIONS, continuation_roots
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._]{0,20}", fullmatch=True)
 text = st.text(max_size=20)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8)
-revisions = st.dictionaries(ids, st.integers(0, 1000), max_size=3)
-
-
-@st.composite
-def roots(draw) -> AgentContinuationRoot:
-    rid = draw(ids)
-    attempt = draw(st.integers(0, 5))
-    return AgentContinuationRoot(rollout_id=rid, attempt_index=attempt,
-                                 capture_key=rid if attempt == 0 else f"{rid}-a{attempt}",
-                                 last_committed_model_call_id=draw(st.text(min_size=1, max_size=12)),
-                                 resource_state_revisions=draw(st.none() | revisions))
 
 
 @st.composite
@@ -68,13 +57,13 @@ def boundary_records(draw, rollout_id: str, attempt: int) -> AgentBoundaryRecord
                                    pending_action_cursor=draw(st.integers(0, 9))) if pending else None,
         output_items=draw(st.lists(st.dictionaries(text, json_values, max_size=2), max_size=2)),
         last_committed_model_call_id=draw(st.none() | st.text(min_size=1, max_size=8)),
-        resource_state_revisions=draw(revisions), agent_state=draw(st.dictionaries(text, json_values, max_size=2)),
+        resource_state_revisions=draw(REVISIONS), agent_state=draw(st.dictionaries(text, json_values, max_size=2)),
         created_at=draw(st.floats(0, 2e9, allow_nan=False)))
 
 
 @st.composite
 def record_sets(draw, max_size: int = 12) -> list[AgentBoundaryRecord]:
-    keys = draw(st.lists(st.tuples(ids, st.integers(0, 4)), unique=True, max_size=max_size))
+    keys = draw(st.lists(st.tuples(IDS, st.integers(0, 4)), unique=True, max_size=max_size))
     return [draw(boundary_records(rid, n)) for rid, n in keys]
 
 
@@ -99,7 +88,7 @@ def test_a_continuation_line_is_gyms_compact_json_byte_for_byte(tmp_path: Path) 
 
 
 @SETTINGS
-@given(rows=st.lists(roots(), max_size=20))
+@given(rows=st.lists(continuation_roots(), max_size=20))
 def test_jsonl_round_trips_and_the_reference_binds_every_byte(tmp_path: Path, rows) -> None:
     ref = cd.write_jsonl(tmp_path, "agent/x/continuations.jsonl", rows)
     data = (tmp_path / ref.relative_path).read_bytes()

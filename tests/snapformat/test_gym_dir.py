@@ -16,27 +16,14 @@ from hypothesis import strategies as st
 
 from schemas.errors import InvalidPathError
 from schemas.gym_files import ExternalStorageReference
-from schemas.gym_records import AgentContinuationRoot
 from snapformat import gym_dir
 from snapformat.gym_dir import DurableFiles, JsonlChunks, continuation_roots_sha256, jsonl_bytes, write_jsonl
+from tests.gym_record_strategies import continuation_roots
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._]{0,12}", fullmatch=True)
-
-
-@st.composite
-def roots(draw) -> AgentContinuationRoot:
-    rid = draw(ids)
-    attempt = draw(st.integers(0, 3))
-    return AgentContinuationRoot(rollout_id=rid, attempt_index=attempt,
-                                 capture_key=rid if attempt == 0 else f"{rid}-a{attempt}",
-                                 last_committed_model_call_id=draw(st.text(min_size=1, max_size=8)),
-                                 resource_state_revisions=draw(st.none() | st.dictionaries(ids, st.integers(0, 99),
-                                                                                           max_size=2)))
-
 
 @SETTINGS
-@given(rows=st.lists(roots(), max_size=40), chunk_rows=st.integers(1, 7))
+@given(rows=st.lists(continuation_roots(max_attempt=3), max_size=40), chunk_rows=st.integers(1, 7))
 def test_streamed_jsonl_is_the_whole_build_byte_for_byte(tmp_path_factory, rows, chunk_rows: int) -> None:
     """Chunk boundaries anywhere (``JSONL_CHUNK_ROWS`` from 1 to 7): the file, its digest, size and
     row count are those of ``jsonl_bytes`` of every row, in ``DurableFiles`` and on its own."""
@@ -60,7 +47,7 @@ def test_streamed_jsonl_is_the_whole_build_byte_for_byte(tmp_path_factory, rows,
 
 
 @SETTINGS
-@given(rows=st.lists(roots(), max_size=30))
+@given(rows=st.lists(continuation_roots(max_attempt=3), max_size=30))
 def test_the_streamed_roots_digest_is_json_dumps_of_the_sorted_list(rows) -> None:
     ordered = sorted(rows, key=lambda r: (r.capture_key, r.last_committed_model_call_id))
     text = json.dumps([msgspec.to_builtins(r) for r in ordered], sort_keys=True, separators=(",", ":"))
