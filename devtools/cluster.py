@@ -74,7 +74,7 @@ from coordinator.config import ControllerConfig, GymRolloutCheckpointing, Rollou
 from coordinator.workload import Workload
 from devtools.accounting import content, differences, trained_once
 from devtools.demo import saves_of, tables_of
-from devtools.gym_procs import REPO_ROOT, free_port
+from devtools.gym_procs import LOCALHOST, REPO_ROOT, free_port, free_ports
 from devtools.job_process import JobProcess, process_tree
 
 HEAD, GYM_NODE, TQ_NODE = "head", "gym", "tq"
@@ -97,6 +97,10 @@ EXPECTED = {"controller": RESOURCES[HEAD], "gym": RESOURCES[GYM_NODE], "TQHost":
 #: defaults take about 30 s). The GCS reads them from the head's environment.
 HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
                     "RAY_health_check_failure_threshold": "5"}
+#: ``ray start`` options naming the ports of a node's own servers (every node; the head adds its own two).
+NODE_PORT_OPTIONS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                     "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
+HEAD_PORT_OPTIONS = ("dashboard-port", "ray-client-server-port")
 START_TIMEOUT_S = 120.0
 JOB_TIMEOUT_S = 600.0
 EXIT_WAIT_S = 60.0  # how long a wounded job may take to fail by itself before the operator kills it
@@ -151,13 +155,13 @@ class RayNode:
                 "--num-gpus=0",
                 f"--resources={json.dumps(self.resources, separators=(',', ':'))}",
                 f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats",
-                "--min-worker-port=0", "--max-worker-port=0",
-                f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+                "--min-worker-port=0", "--max-worker-port=0"]
+        # Ray refuses a node with one port given to two of its servers: the ports are picked together.
+        options = NODE_PORT_OPTIONS + (HEAD_PORT_OPTIONS if self.head else ())
+        argv += [f"--{option}={port}" for option, port in zip(options, free_ports([LOCALHOST] * len(options)),
+                                                               strict=True)]
         if self.head:
-            argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
-                     f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}"]
+            argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false"]
         else:
             argv += [f"--address=127.0.0.1:{self.gcs_port}", "--include-log-monitor=false"]
         return argv

@@ -9,12 +9,14 @@ ready once ``GET /healthz`` answers. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,10 +175,25 @@ def bindable(host: str) -> bool:
 
 
 def free_port(host: str = LOCALHOST) -> int:
-    """A port on ``host`` that is free right now (the kernel picks it; it is not handed out again at once)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port on ``host`` that is free right now (another process may take it before it is bound).
+
+    Two calls may return the same port: the kernel hands a closed port out again. For several ports at
+    once use :func:`free_ports`."""
+    (port,) = free_ports([host])
+    return port
+
+
+def free_ports(hosts: Sequence[str]) -> list[int]:
+    """One port free right now on each address of ``hosts``, distinct where an address repeats: each
+    socket stays bound until all are picked, so the kernel cannot hand a port out twice (it did, one
+    pick at a time: Ray refused a node whose node-manager and metrics-export ports were both 51391)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for host in hosts:
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 def start_servers(workdir: Path, token_file: Path, *, seed: int = 0, model_slow_ms: int = 0,
@@ -213,8 +230,7 @@ def _start_servers_once(workdir: Path, token_file: Path, *, seed: int, model_slo
                         sandbox_name: str, forkserver: ForkServer | None, timeout: float, test_faults: bool,
                         token_store: str | None, hosts: dict[str, str]) -> GymServers:
     host = {role: hosts.get(role, LOCALHOST) for role in ROLES}
-    model_port, resource_port = free_port(host["model"]), free_port(host["resource"])
-    sandbox_port = free_port(host["sandbox"])
+    model_port, resource_port, sandbox_port = free_ports([host["model"], host["resource"], host["sandbox"]])
     common = {"forkserver": forkserver}
     started = [
         launch("model", model_name, workdir, token_file, port=model_port, seed=seed, slow_ms=model_slow_ms,

@@ -33,8 +33,8 @@ class InRayJob:
                  workload: Workload = WORKLOAD, crash_at: str | None = None, occurrence: int = 1,
                  kill_gym: bool = True, kill_self: bool = True, data_plane: str = "memory",
                  test_faults: bool = False, actor_options: dict[str, Any] | None = None,
-                 gym_options: dict[str, Any] | None = None) -> None:
-        self.gym: Gym = fleet.gym(model_slow_ms=MODEL_SLOW_MS, test_faults=test_faults, **(gym_options or {}))
+                 gym_options: dict[str, Any] | None = None, model_slow_ms: int = MODEL_SLOW_MS) -> None:
+        self.gym: Gym = fleet.gym(model_slow_ms=model_slow_ms, test_faults=test_faults, **(gym_options or {}))
         plan = None
         if crash_at is not None:
             plan = CrashPlan(at=crash_at, occurrence=occurrence, kill_self=kill_self,

@@ -23,6 +23,7 @@ from schemas.topology import manifest_fingerprint
 from snapformat import SnapshotStore, verify_snapshot
 
 pytestmark = pytest.mark.usefixtures("tq_runtime")
+DISCARD_MODEL_SLOW_MS = 400
 IDS = [s.rollout_id for i in range(WORKLOAD.prompts) for s in WORKLOAD.group(i)]
 
 
@@ -231,16 +232,23 @@ def test_a_restore_discards_exactly_the_continuations_on_the_restart_only_server
     call. Checked against Gym's own continuation index in the snapshot and against the final rows:
     the turns before the boundary of a continued rollout keep the old run's capture key."""
     store = SnapshotStore(str(tmp_path / "store"))
-    first = InRayJob(fleet, store.url)
+    # Slow model calls: at the harness's 80 ms the run lasts about 1 s and holds 2 saves, and 1 run in 4
+    # published no snapshot with a rollout parked after a sandbox call. At 400 ms it lasts about 3.4 s,
+    # and each of its 7 snapshots held one (8 runs of 8). The rows do not depend on the timing.
+    first = InRayJob(fleet, store.url, model_slow_ms=DISCARD_MODEL_SLOW_MS)
     first.setup()
     running = first.ctl.run.remote(RUN_S)
 
     def both_kinds() -> bool:  # the newest snapshot holds a continuation on the sandbox (others are checked too)
         try:
             snap = store.latest()
-            return snap is not None and bool(_parked(snap)[1])
+            if snap is not None and _parked(snap)[1]:
+                return True
         except (OSError, SnapshotError):  # removed by the store's GC while read: the next one
-            return False
+            pass
+        ended, _ = ray.wait([running], timeout=0)
+        assert not ended, "the run ended before a snapshot held a continuation on the sandbox"
+        return False
 
     wait_until(both_kinds, "a snapshot with continuations on and off the sandbox", RUN_S)
     first.kill()  # the whole job, as a machine failure
