@@ -208,9 +208,10 @@ def _parked(store_root: Path) -> tuple[int | None, dict[str, Any]]:
     payloads = {p.component: dict(p.payload or {}) for p in snap.manifest.gym_commit.participants}
     return payloads.get("responses_api_agents", {}).get("records"), {
         "snapshot_id": snap.manifest.snapshot_id, "sequence": snap.sequence,
-        "bytes": sum(f.size for f in snap.manifest.files),
+        "bytes": snap.manifest.total_bytes,
         "tq_bytes": sum(f.size for f in snap.manifest.files if f.path.startswith("tq/")),
-        "gym_bytes": sum(f.size for f in snap.manifest.files if f.path.startswith("gym/"))}
+        "gym_bytes": sum(f.size for f in snap.manifest.files if f.path.startswith("gym/"))
+        + sum(p.bytes for p in snap.manifest.listed_parts)}
 
 
 def save_point(fleet, work: Path, n: int, target: int, modes: tuple[str, ...], filler: Filler,

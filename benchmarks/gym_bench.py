@@ -241,7 +241,7 @@ def cycle(fleet: Fleet, store: SnapshotStore, store_root: Path, n: int, tag: str
         "model_restore_calls": restored["model"].rows,
         "resource_restore_sessions": restored["resource"].sessions,
     }
-    return {"times_s": times, "bytes": part_bytes, "counts": counts, "files": len(published.manifest.files),
+    return {"times_s": times, "bytes": part_bytes, "counts": counts, "files": published.manifest.file_count,
             "setup_s": round(setup_s, 3), "restart_s": round(restart_s, 3)}
 
 

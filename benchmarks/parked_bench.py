@@ -253,8 +253,10 @@ def step_adopt(gym: Path, store_url: str, draft_id: str) -> dict[str, Any]:
                 "manifest_bytes": (Path(published.url) / "manifest.json").stat().st_size,
                 "manifest_files": len(published.manifest.files),
                 # what the snapshot says it holds of Gym's files (the write step's files and bytes)
-                "gym_files": sum(1 for f in published.manifest.files if f.kind == "gym_file"),
-                "gym_file_bytes": sum(f.size for f in published.manifest.files if f.kind == "gym_file")}
+                "gym_files": sum(1 for f in published.manifest.files if f.kind == "gym_file")
+                + sum(p.files for p in published.manifest.listed_parts),
+                "gym_file_bytes": sum(f.size for f in published.manifest.files if f.kind == "gym_file")
+                + sum(p.bytes for p in published.manifest.listed_parts)}
     out["publish_s"] = time.perf_counter() - t1
     if out["published"]:
         # Published is not the end: a reader must open it within its own bounds (MAX_MANIFEST_BYTES,

@@ -67,7 +67,8 @@ from devtools.gym_multihost import HostSpec, ModelSpec, MultiHost, PairSpec, lau
 from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, StepResult
 from refgym.agent_server import MAX_BATCH, MAX_OPEN_CALLS
 from schemas.topology import manifest_fingerprint
-from snapformat import SnapshotStore, layout
+from snapformat import SnapshotStore, layout, open_snapshot
+from snapformat.kinds import GYM_FILE_KIND
 
 Log = Callable[[str], None]
 
@@ -333,9 +334,9 @@ async def restore_once(dep: Deployment, token: str, store: SnapshotStore, publis
 
 def gym_file_sizes(published: Any) -> dict[str, int]:
     """Each Gym file of a published snapshot (its path under ``gym/``) and its size; part manifests
-    (ours, not Gym's) left out."""
-    return {f.path: f.size for f in published.manifest.files
-            if f.path.startswith(f"{gym_parts.GYM_FOLDER}/") and not f.path.endswith(f"/{layout.PART_MANIFEST_NAME}")}
+    (ours, not Gym's) left out. The manifest lists Gym's parts by their part manifests (SPEC §10.4):
+    the snapshot reads them."""
+    return {f.path: f.size for f in open_snapshot(published.url).files(GYM_FILE_KIND)}
 
 
 def bare_files(root: Path, sizes: dict[str, int]) -> float:

@@ -149,6 +149,23 @@ class ParentRef(msgspec.Struct, frozen=True, kw_only=True):
 
 #: Most file entries a manifest may list (``Manifest.files``); a publisher refuses more (SPEC §15.5).
 MAX_MANIFEST_FILES = 1_000_000
+#: Most parts a manifest may list by their part manifests (``Manifest.listed_parts``).
+MAX_LISTED_PARTS = 100_000
+
+
+class ListedPart(msgspec.Struct, frozen=True, kw_only=True):
+    """A part the manifest lists by its part manifest only (format 1.4, SPEC §10.4): its files are
+    the part manifest's, and these totals let a reader count and size them without reading it."""
+
+    prefix: Annotated[RelPath, msgspec.Meta(
+        description="The part's prefix; the manifest lists `<prefix>/part-manifest.json` and no other file "
+                    "under it.")]
+    files: Annotated[NonNeg, msgspec.Meta(
+        description="How many files the part manifest lists (itself not counted); a reader refuses a part "
+                    "manifest that lists another number.")]
+    bytes: Annotated[NonNeg, msgspec.Meta(
+        description="The sum of their `size`s; a reader refuses a part manifest whose sizes sum to another "
+                    "number.")]
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,7 +176,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     required_features: Annotated[list[Str], msgspec.Meta(
         description="Features a reader MUST implement to read this snapshot correctly (see Features): "
                     "`dataplane_rows` when it holds a file of that kind, `shared_objects` when an entry "
-                    "names a shared object, else empty (always empty in 1.0).")] = []
+                    "names a shared object, `part_listings` when `listed_parts` is not empty, else empty "
+                    "(always empty in 1.0).")] = []
     snapshot_id: Annotated[Name, msgspec.Meta(description="This snapshot's id (its folder name).")]
     sequence: Annotated[int, msgspec.Meta(ge=1), msgspec.Meta(
         description="This snapshot's sequence number (>= 1).")]
@@ -167,8 +185,12 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     committed_at: Annotated[float, msgspec.Meta(
         description="Unix seconds at which the publisher sealed the manifest to commit it.")]
     files: Annotated[list[FileEntry], msgspec.Meta(max_length=MAX_MANIFEST_FILES), msgspec.Meta(
-        description="Every file of the snapshot, part manifests included. A file not listed here is not "
-                    "part of the snapshot.")]
+        description="Every file of the snapshot, part manifests included, except the files of the parts in "
+                    "`listed_parts`, which their part manifests list. A file listed in neither is not part of "
+                    "the snapshot.")]
+    listed_parts: Annotated[list[ListedPart], msgspec.Meta(max_length=MAX_LISTED_PARTS), msgspec.Meta(
+        description="The parts whose files only their part manifest lists (format 1.4, feature "
+                    "`part_listings`), in the order the publisher added them; empty before 1.4.")] = []
     gym_commit: Annotated[GymCommit | None, msgspec.Meta(
         description="Gym's commit result for this snapshot, or null when no Gym took part.")] = None
     topology_fingerprint: Annotated[Fingerprint | None, msgspec.Meta(
@@ -183,6 +205,16 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
                     "NOT depend on them.")] = {}
     producer: Annotated[Str, msgspec.Meta(
         description="Informative name and version of the software that published the snapshot.")] = ""
+
+    @property
+    def file_count(self) -> int:
+        """Every file of the snapshot: those listed here and those of the listed parts."""
+        return len(self.files) + sum(p.files for p in self.listed_parts)
+
+    @property
+    def total_bytes(self) -> int:
+        """The sizes of every file of the snapshot summed (an object named twice counted twice)."""
+        return sum(f.size for f in self.files) + sum(p.bytes for p in self.listed_parts)
 
 
 class CommitRecord(msgspec.Struct, frozen=True, kw_only=True):

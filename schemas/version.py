@@ -15,7 +15,10 @@ FORMAT_MAJOR = 1
 #: 1.3 adds shared objects (feature ``shared_objects``, SPEC §14.2): immutable, content-addressed
 #: files under ``objects/`` that a file entry names instead of a file of the snapshot folder, so that
 #: a snapshot lists what its parent wrote without writing it again (incremental snapshots).
-FORMAT_MINOR = 3
+#: 1.4 adds listed parts (feature ``part_listings``, SPEC §10.4, §14.4): the manifest names a Gym
+#: part by its part manifest and totals instead of repeating every file, so that the manifest's size
+#: grows with the parts, not with the rollouts (1,000,000 parked rollouts are 2,000,000 Gym files).
+FORMAT_MINOR = 4
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 
 #: Features this implementation understands. A snapshot lists the ones a reader MUST know in
@@ -24,9 +27,13 @@ FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 #: ``dataplane_rows``: a snapshot holding a file of that kind lists it, because a reader that
 #: ignores unknown kinds would restore the data plane without those partitions. 1.2 adds none. 1.3
 #: defines ``shared_objects``: a snapshot with a file entry naming an object lists it, because a
-#: reader that looked for that file in the snapshot folder would find nothing there.
+#: reader that looked for that file in the snapshot folder would find nothing there. 1.4 defines
+#: ``part_listings``: a snapshot whose manifest lists a part by its part manifest only lists it,
+#: because a reader that took the manifest's files for all of them would miss that part's files (a
+#: copy would leave them behind, a restore would find Gym's folders empty).
 SHARED_OBJECTS = "shared_objects"
-KNOWN_FEATURES: frozenset[str] = frozenset({"dataplane_rows", SHARED_OBJECTS})
+PART_LISTINGS = "part_listings"
+KNOWN_FEATURES: frozenset[str] = frozenset({"dataplane_rows", SHARED_OBJECTS, PART_LISTINGS})
 #: Names the spec reserves for later minor versions: refused until implemented.
 RESERVED_FEATURES: frozenset[str] = frozenset()
 
@@ -74,13 +81,16 @@ def check_readable(format_version: str, required_features: list[str] | tuple[str
         )
 
 
-def features_of_kinds(kinds: Iterable[str], objects: bool = False) -> list[str]:
-    """The ``required_features`` of a snapshot whose files are of ``kinds`` (and, with ``objects``,
-    one of which names a shared object): sorted, each once, empty when none of them needs one (so
-    such a snapshot stays readable by a 1.0 reader). ``gym_file`` needs none (:data:`KINDS_WITHOUT_FEATURE`)."""
+def features_of_kinds(kinds: Iterable[str], objects: bool = False, listed_parts: bool = False) -> list[str]:
+    """The ``required_features`` of a snapshot whose files are of ``kinds`` (with ``objects``, one of
+    which names a shared object; with ``listed_parts``, whose manifest lists a part by its part
+    manifest only): sorted, each once, empty when none of them needs one (so such a snapshot stays
+    readable by a 1.0 reader). ``gym_file`` needs none (:data:`KINDS_WITHOUT_FEATURE`)."""
     features = {KIND_FEATURES[k] for k in kinds if k in KIND_FEATURES}
     if objects:
         features.add(SHARED_OBJECTS)
+    if listed_parts:
+        features.add(PART_LISTINGS)
     return sorted(features)
 
 

@@ -266,8 +266,11 @@ def check_part(snap: Snapshot, prefix: str) -> str:
 
 def _part_files(snap: Snapshot, prefix: str) -> dict[str, FileEntry]:
     """The files of part ``prefix`` by name under it: its part manifest (checksum checked against the
-    snapshot's manifest) must list only the snapshot's own entries."""
+    snapshot's manifest) must list only the snapshot's own entries; a listed part's are its part
+    manifest's (checked against the manifest's totals, SPEC §10.4)."""
     prefix = check_relative_path(prefix, where="part prefix")
+    if snap.is_listed(prefix):
+        return {f.path[len(prefix) + 1:]: f for f in snap.part_files(prefix)}
     entries = {f.path: f for f in snap.manifest.files}
     pm = entries.get(f"{prefix}/{layout.PART_MANIFEST_NAME}")
     if pm is None:

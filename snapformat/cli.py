@@ -80,8 +80,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "snapshot_id": commit.snapshot_id,
             "url": store.store.display(layout.snapshot_dir(commit.snapshot_id)),
             "committed_at": _time(commit.committed_at),
-            "files": len(manifest.files),
-            "bytes": sum(f.size for f in manifest.files),
+            "files": manifest.file_count,
+            "bytes": manifest.total_bytes,
             "topology_fingerprint": manifest.topology_fingerprint,
         })
     if args.json:
@@ -121,7 +121,8 @@ def _ls_stores(args: argparse.Namespace, stores: list[SnapshotStore]) -> int:
 def _summary(snap: Snapshot) -> dict[str, Any]:
     m = snap.manifest
     by_kind: dict[str, dict[str, int]] = {}
-    for f in m.files:
+    files = snap.files()  # a listed part's files too (its part manifest read and checked)
+    for f in files:
         k = by_kind.setdefault(f.kind, {"files": 0, "records": 0, "bytes": 0})
         k["files"] += 1
         k["records"] += f.records
@@ -142,7 +143,8 @@ def _summary(snap: Snapshot) -> dict[str, Any]:
         "kinds": by_kind,
         "bytes": _sharing(snap),
         "gym_parts": _gym_parts(snap),
-        "files": msgspec.to_builtins(m.files),
+        "listed_parts": msgspec.to_builtins(m.listed_parts),
+        "files": msgspec.to_builtins(files),
     }
 
 
@@ -188,9 +190,8 @@ def _gym_parts(snap: Snapshot) -> list[dict[str, Any]]:
     """Each part whose files Gym wrote itself (kind ``gym_file``), with its record counts."""
     suffix = "/" + layout.PART_MANIFEST_NAME
     prefixes = [f.path[: -len(suffix)] for f in snap.manifest.files if f.kind == "part_manifest"]
-    gym = {f.path for f in snap.manifest.files if f.kind == GYM_FILE_KIND}
-    return [gym_part_summary(prefix, snap.manifest.files) for prefix in prefixes
-            if any(path.startswith(prefix + "/") for path in gym)]
+    parts = [(prefix, snap.part_files(prefix)) for prefix in prefixes]
+    return [gym_part_summary(prefix, files) for prefix, files in parts if any(f.kind == GYM_FILE_KIND for f in files)]
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -226,7 +227,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for kind, k in sorted(s["kinds"].items()):
         print(f"  {kind:<20} {k['files']:>3} files {k['records']:>10} records {k['bytes'] / 2**20:>10.2f} MiB")
     print("files:")
-    for f in snap.manifest.files:
+    for f in snap.iter_files():
         comp = f" {f.compression}" if f.compression != "none" else ""
         print(f"  {f.path:<52} {f.kind:<19} {f.records:>9} rec {f.size:>12} B{comp}")
     return 0
@@ -237,7 +238,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         snap = open_snapshot(args.snapshot)
     except InvalidPathError:  # not a snapshot's location: a store, whose every snapshot is checked
         return _verify_store(args)
-    progress = Progress(sum(f.size for f in snap.manifest.files), f"verify {snap.manifest.snapshot_id}", enabled=not args.json)
+    progress = Progress(snap.manifest.total_bytes, f"verify {snap.manifest.snapshot_id}", enabled=not args.json)
     try:
         report = verify_snapshot(snap, progress.update)
     finally:
@@ -262,7 +263,8 @@ def _verify_store(args: argparse.Namespace) -> int:
     if not snapshots and not unreadable:
         raise NotPublishedError(f"{args.snapshot}: the store has no published snapshot")
     objects = {f.object: f.size for snap in snapshots for f in snap.manifest.files if f.object is not None}
-    total = sum(objects.values()) + sum(f.size for snap in snapshots for f in snap.manifest.files if f.object is None)
+    total = sum(objects.values()) + sum(f.size for snap in snapshots for f in snap.manifest.files if f.object is None) \
+        + sum(p.bytes for snap in snapshots for p in snap.manifest.listed_parts)
     progress = Progress(total, f"verify {len(snapshots)} snapshots", enabled=not args.json)
     try:
         report = verify_store(store.store, progress.update, opened=(snapshots, unreadable))
@@ -322,7 +324,7 @@ def _resolve_part(snap: Snapshot, part: str) -> None:
 def _gym_entries(snap: Snapshot, part: str) -> list[FileEntry]:
     """Gym's own files that ``part`` names: the file itself when it is one, and for
     ``continuations`` every ``gym/agent/.../continuations.jsonl`` (Gym's continuation indexes)."""
-    gym = [f for f in snap.manifest.files if f.kind == GYM_FILE_KIND]
+    gym = snap.files(GYM_FILE_KIND)
     exact = [f for f in gym if f.path == part]
     if exact:
         return exact
@@ -487,7 +489,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         single = None
     if single is not None:
         dst = destination_store(args.dst, single.manifest.snapshot_id)
-        progress = Progress(sum(f.size for f in single.manifest.files), f"copy {single.manifest.snapshot_id}", enabled=not args.json)
+        progress = Progress(single.manifest.total_bytes, f"copy {single.manifest.snapshot_id}", enabled=not args.json)
         try:
             results = [copy_snapshot(single, dst, progress.update)]
         finally:

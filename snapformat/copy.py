@@ -189,7 +189,7 @@ def copy_snapshot(src: Snapshot, dst_url: str | Store, progress: Callable[[int],
         counts[what] += 1
         object_bytes += written
     total = object_bytes
-    for f in src.manifest.files:
+    for f in src.iter_files():  # a listed part's files too (SPEC §10.4; they name no object)
         if f.object is None:
             _stream(src, src.key(f), dst.store, f.size, f.checksum, progress)
             total += f.size

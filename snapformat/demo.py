@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         wrote = time.perf_counter() - t0
         published = draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=TOPOLOGY,
                                   timings_s={"write_parts": wrote}, keep_latest=args.keep, producer="snapformat demo")
-        size = sum(f.size for f in published.manifest.files)
+        size = published.manifest.total_bytes
         print(f"  [{i + 1}/{args.snapshots}] published sequence {published.manifest.sequence}: "
-              f"{len(published.manifest.files)} files, {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f}s")
+              f"{published.manifest.file_count} files, {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f}s")
 
     crashed = store.begin()  # a writer that dies before publishing: its draft is never listed
     write_example(crashed, count=50, seed=999)

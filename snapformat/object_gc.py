@@ -120,6 +120,7 @@ def _mark_commits(store: Store, sequences: list[int], marks: Marks) -> bool:
                            f"cannot be read ({exc})") from None
         marks.manifests_read += 1
         marks.snapshots.add(commit.snapshot_id)
+        # A listed part's files name no object (SPEC §10.4): the manifest's own entries are every mark.
         marks.committed.update(f.object for f in manifest.files if f.object is not None)
     return vanished
 

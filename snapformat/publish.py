@@ -24,12 +24,22 @@ import msgspec
 
 from schemas.errors import CommitConflictError, CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
 from schemas.identity import check_relative_path
-from schemas.manifest import MAX_MANIFEST_FILES, CommitRecord, FileEntry, GymCommit, LatestHint, Manifest, PartManifest
+from schemas.manifest import (
+    MAX_LISTED_PARTS,
+    MAX_MANIFEST_FILES,
+    CommitRecord,
+    FileEntry,
+    GymCommit,
+    LatestHint,
+    ListedPart,
+    Manifest,
+    PartManifest,
+)
 from schemas.version import FORMAT_VERSION, check_readable, features_of_kinds
 from snapformat import jsonl, layout
 from snapformat.checksum import check, checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
-from snapformat.kinds import RECORD_TYPES, storage_of
+from snapformat.kinds import GYM_FILE_KIND, RECORD_TYPES, storage_of
 from snapformat.reader import MAX_JSON_PART_BYTES, MAX_MANIFEST_BYTES, check_entry
 from snapformat.store import Store, open_store
 
@@ -124,6 +134,13 @@ def _check_files_present(store: Store, snapshot_id: str, files: list[FileEntry])
             raise CorruptSnapshotError(f"{store.display(key)}: size is {size}, writer {f.writer!r} listed {f.size}")
 
 
+def is_listable(part: PartManifest) -> bool:
+    """Whether the publisher lists ``part`` by its part manifest only (SPEC §10.4): a part of Gym's
+    own files (every file of kind ``gym_file``, none naming a shared object), the parts that grow with
+    the rollouts. Other parts keep every file in the manifest, readable by older readers."""
+    return bool(part.files) and all(f.kind == GYM_FILE_KIND and f.object is None for f in part.files)
+
+
 def _check_gym_parts(draft: SnapshotDraft, gym_commit: GymCommit | None) -> None:
     """Every part Gym's commit result names must be one of the parts being published."""
     if gym_commit is None:
@@ -138,9 +155,13 @@ def _check_gym_parts(draft: SnapshotDraft, gym_commit: GymCommit | None) -> None
                 f"but the parts being published have {added.get(p.part_prefix, 'no such part')}")
 
 
-def _check_within_reader_bounds(draft: SnapshotDraft, files: list[FileEntry], data: bytes) -> None:
+def _check_within_reader_bounds(draft: SnapshotDraft, manifest: Manifest, data: bytes) -> None:
     """Refuse, before the commit point, a manifest no reader would open (SPEC §15.5 step 2, §21): a
     committed snapshot every reader refuses would become the newest and make ``latest()`` fail."""
+    files = manifest.files
+    if len(manifest.listed_parts) > MAX_LISTED_PARTS:
+        raise InvalidRecordError(f"{draft.url}: manifest field 'listed_parts' would list {len(manifest.listed_parts):,} "
+                                 f"parts (expected at most {MAX_LISTED_PARTS:,}, SPEC §21); nothing was published")
     if len(files) > MAX_MANIFEST_FILES:
         raise InvalidRecordError(f"{draft.url}: manifest field 'files' would list {len(files):,} entries (expected at "
                                  f"most {MAX_MANIFEST_FILES:,}, SPEC §21); nothing was published")
@@ -173,14 +194,18 @@ def publish(
     for r in receipts:
         draft.add_part(r)
     files: list[FileEntry] = []
+    listed: list[ListedPart] = []
     seen: set[str] = set()
     for part, _ in draft.parts:
-        files.extend(part.files)
-    for f in files:
-        if f.path in seen:
-            raise InvalidPathError(f"{draft.url}: file {f.path!r} listed twice")
-        seen.add(f.path)
-    _check_files_present(store, draft.snapshot_id, files)
+        for f in part.files:
+            if f.path in seen:
+                raise InvalidPathError(f"{draft.url}: file {f.path!r} listed twice")
+            seen.add(f.path)
+        _check_files_present(store, draft.snapshot_id, part.files)
+        if is_listable(part):  # Gym's files: the manifest names the part manifest, not each file (SPEC §10.4)
+            listed.append(ListedPart(prefix=part.prefix, files=len(part.files), bytes=sum(f.size for f in part.files)))
+        else:
+            files.extend(part.files)
     _check_gym_parts(draft, gym_commit)
     files.extend(_part_manifest_entry(store, draft.snapshot_id, p, checksum) for p, checksum in draft.parts)
     timings = dict(timings_s or {})
@@ -188,12 +213,14 @@ def publish(
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         # What a reader must implement to read these files (SPEC §14): a kind it would skip is announced.
-        required_features=features_of_kinds((f.kind for f in files), objects=any(f.object for f in files)),
+        required_features=features_of_kinds((f.kind for f in files), objects=any(f.object for f in files),
+                                            listed_parts=bool(listed)),
         snapshot_id=draft.snapshot_id,
         sequence=draft.sequence,
         created_at=draft.created_at,
         committed_at=committed_at,
         files=files,
+        listed_parts=listed,
         gym_commit=gym_commit,
         topology_fingerprint=topology_fingerprint,
         parent=draft.parent,
@@ -201,7 +228,7 @@ def publish(
         producer=producer,
     )
     data = jsonl.encode_json(manifest)
-    _check_within_reader_bounds(draft, files, data)
+    _check_within_reader_bounds(draft, manifest, data)
     manifest_key = f"{layout.snapshot_dir(draft.snapshot_id)}/{layout.MANIFEST_NAME}"
     with store.open_write(manifest_key) as fh:
         fh.write(data)
@@ -222,7 +249,8 @@ def publish(
         store.put_bytes(layout.HINT_KEY, msgspec.json.encode(LatestHint(sequence=draft.sequence, snapshot_id=draft.snapshot_id)))
     except StoreError as exc:  # advisory only: discovery probes past a stale hint
         log.warning("published %s but could not update %s: %s", draft.url, layout.HINT_KEY, exc)
-    log.info("published %s (sequence %d, %d files) in %.3fs", draft.url, draft.sequence, len(files), time.perf_counter() - t0)
+    log.info("published %s (sequence %d, %d files) in %.3fs", draft.url, draft.sequence, manifest.file_count,
+             time.perf_counter() - t0)
     if keep_latest is not None:
         from snapformat.retention import apply_retention
 

@@ -15,12 +15,12 @@ import pyarrow as pa
 from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishedError
 from schemas.gym_records import TokenIndexEntry
 from schemas.identity import check_relative_path
-from schemas.manifest import CommitRecord, FileEntry, Manifest
-from schemas.version import SHARED_OBJECTS, check_readable
+from schemas.manifest import CommitRecord, FileEntry, ListedPart, Manifest, PartManifest
+from schemas.version import PART_LISTINGS, SHARED_OBJECTS, check_readable
 from snapformat import discovery, jsonl, layout
 from snapformat.arrow_parts import open_buffer
 from snapformat.checksum import check, checksum_bytes
-from snapformat.kinds import ALIASES, RECORD_TYPES, storage_of
+from snapformat.kinds import ALIASES, GYM_FILE_KIND, RECORD_TYPES, storage_of
 from snapformat.store import Store, open_store
 
 MAX_MANIFEST_BYTES = 256 << 20
@@ -64,7 +64,90 @@ def load_manifest(store: Store, commit: CommitRecord) -> Manifest:
     if any(f.object is not None for f in manifest.files) and SHARED_OBJECTS not in manifest.required_features:
         raise CorruptSnapshotError(
             f"{where}: names shared objects but does not list {SHARED_OBJECTS!r} in required_features")
+    check_listed_parts(manifest, where)
     return manifest
+
+
+def check_listed_parts(manifest: Manifest, where: str) -> None:
+    """The manifest's ``listed_parts`` against its ``files`` (SPEC §10.4): the feature listed when
+    there are any; each prefix a safe path, once, under no other listed prefix; its part manifest
+    listed with kind ``part_manifest``, and no other file under it."""
+    if not manifest.listed_parts:
+        return
+    if PART_LISTINGS not in manifest.required_features:
+        raise CorruptSnapshotError(
+            f"{where}: lists parts by their part manifests but does not list {PART_LISTINGS!r} in required_features")
+    prefixes: set[str] = set()
+    for i, part in enumerate(manifest.listed_parts):
+        check_relative_path(part.prefix, where=f"{where}: listed_parts[{i}].prefix")
+        if part.prefix in prefixes:
+            raise CorruptSnapshotError(f"{where}: listed_parts[{i}].prefix {part.prefix!r} is listed twice")
+        prefixes.add(part.prefix)
+    for i, part in enumerate(manifest.listed_parts):
+        outer = _listed_ancestor(part.prefix, prefixes)
+        if outer is not None:
+            raise CorruptSnapshotError(
+                f"{where}: listed_parts[{i}].prefix {part.prefix!r} lies under the listed part {outer!r}")
+    part_manifests = {f"{p}/{layout.PART_MANIFEST_NAME}" for p in prefixes}
+    for i, f in enumerate(manifest.files):
+        if f.path in part_manifests:
+            if f.kind != "part_manifest":
+                raise CorruptSnapshotError(
+                    f"{where}: files[{i}] {f.path!r} is the part manifest of a listed part, of kind {f.kind!r} "
+                    f"(expected 'part_manifest')")
+            part_manifests.discard(f.path)
+            continue
+        outer = _listed_ancestor(f.path, prefixes)
+        if outer is not None:
+            raise CorruptSnapshotError(
+                f"{where}: files[{i}] {f.path!r} lies under the listed part {outer!r}, whose files only its part "
+                f"manifest lists")
+    if part_manifests:
+        raise CorruptSnapshotError(
+            f"{where}: listed_parts name {min(part_manifests)!r}, which files does not list")
+
+
+def _listed_ancestor(path: str, prefixes: set[str]) -> str | None:
+    """The listed prefix ``path`` lies under (not ``path`` itself), if any."""
+    cut = path.rfind("/")
+    while cut > 0:
+        if path[:cut] in prefixes:
+            return path[:cut]
+        cut = path.rfind("/", 0, cut)
+    return None
+
+
+def check_listed_part(part: PartManifest, listed: ListedPart, snapshot_id: str, where: str) -> list[FileEntry]:
+    """A listed part's part manifest against the manifest's account of it (SPEC §10.4): written for
+    this snapshot and prefix in a readable version; each entry a safe path under the prefix, once, of
+    kind ``gym_file``, naming no shared object; as many files and bytes as ``listed`` says."""
+    check_readable(part.format_version, [], where)
+    if part.snapshot_id != snapshot_id or part.prefix != listed.prefix:
+        raise CorruptSnapshotError(
+            f"{where}: written for snapshot {part.snapshot_id!r} prefix {part.prefix!r} (expected {snapshot_id!r} "
+            f"prefix {listed.prefix!r})")
+    own = f"{listed.prefix}/{layout.PART_MANIFEST_NAME}"
+    seen: set[str] = set()
+    total = 0
+    for i, f in enumerate(part.files):
+        at = f"{where}: files[{i}]"
+        check_entry(f, at)
+        if not f.path.startswith(listed.prefix + "/") or f.path == own:
+            raise CorruptSnapshotError(f"{at}.path {f.path!r} (expected a file under {listed.prefix!r} other than "
+                                       f"{layout.PART_MANIFEST_NAME})")
+        if f.kind != GYM_FILE_KIND or f.object is not None:
+            raise CorruptSnapshotError(
+                f"{at}: kind {f.kind!r}{' naming object ' + f.object if f.object else ''} (expected {GYM_FILE_KIND!r} "
+                f"in a file of the snapshot folder: a listed part holds only those)")
+        if f.path in seen:
+            raise CorruptSnapshotError(f"{at}.path {f.path!r} is listed twice")
+        seen.add(f.path)
+        total += f.size
+    if (len(part.files), total) != (listed.files, listed.bytes):
+        raise CorruptSnapshotError(
+            f"{where}: lists {len(part.files)} files of {total} bytes, the snapshot's manifest says {listed.files} "
+            f"files of {listed.bytes} bytes")
+    return part.files
 
 
 def check_entry(f: FileEntry, where: str) -> None:
@@ -99,6 +182,7 @@ class Snapshot:
         self.store = store
         self.commit = commit
         self.manifest = manifest
+        self._listed = {p.prefix: p for p in manifest.listed_parts}
 
     @property
     def url(self) -> str:
@@ -109,13 +193,53 @@ class Snapshot:
         return self.manifest.sequence
 
     def files(self, kind: str | None = None) -> list[FileEntry]:
-        return [f for f in self.manifest.files if kind is None or f.kind == kind]
+        """Every file of the snapshot (of ``kind``), in manifest order: see :meth:`iter_files`."""
+        return list(self.iter_files(kind))
+
+    def iter_files(self, kind: str | None = None) -> Iterator[FileEntry]:
+        """Every file of the snapshot (of ``kind``), in manifest order, a listed part's files right after
+        its part manifest. A listed part's part manifest is read (size and checksum checked) only when
+        its files are asked for: they are all ``gym_file`` (SPEC §10.4), so one part at a time is in
+        memory however many rollouts the snapshot holds."""
+        suffix = "/" + layout.PART_MANIFEST_NAME
+        for f in self.manifest.files:
+            if kind is None or f.kind == kind:
+                yield f
+            if (self._listed and f.kind == "part_manifest" and (kind is None or kind == GYM_FILE_KIND)
+                    and f.path[: -len(suffix)] in self._listed):
+                yield from self.part_files(f.path[: -len(suffix)])
+
+    def is_listed(self, prefix: str) -> bool:
+        """Whether the manifest lists part ``prefix`` by its part manifest only (SPEC §10.4)."""
+        return prefix in self._listed
+
+    def part_files(self, prefix: str) -> list[FileEntry]:
+        """The files of part ``prefix`` except its part manifest, in its order: for a listed part its
+        part manifest's entries (read and checked against the manifest: :func:`check_listed_part`),
+        else the manifest's entries under the prefix. Raises :class:`NotPublishedError` for no such part."""
+        listed = self._listed.get(prefix)
+        own = f"{prefix}/{layout.PART_MANIFEST_NAME}"
+        if listed is None:
+            if not any(f.path == own for f in self.manifest.files):
+                raise NotPublishedError(f"{self.url}: has no part {prefix!r}")
+            return [f for f in self.manifest.files if f.path.startswith(prefix + "/") and f.path != own]
+        entry = next(f for f in self.manifest.files if f.path == own)  # load_manifest checked it is there
+        where = self.where(entry)
+        if entry.size > MAX_JSON_PART_BYTES:
+            raise CorruptSnapshotError(f"{where}: {entry.size} bytes exceeds {MAX_JSON_PART_BYTES}")
+        part = jsonl.decode_json(self.read_bytes(entry), PartManifest, where)
+        return check_listed_part(part, listed, self.manifest.snapshot_id, where)
 
     def select(self, part: str) -> list[FileEntry]:
-        """Files named by ``part``: a file path in the manifest, or a kind / alias (all of its files)."""
+        """Files named by ``part``: a file path of the snapshot, or a kind / alias (all of its files)."""
         for f in self.manifest.files:
             if f.path == part:
                 return [f]
+        listed = _listed_ancestor(part, set(self._listed))
+        if listed is not None:
+            found = [f for f in self.part_files(listed) if f.path == part]
+            if found:
+                return found
         return self.files(resolve_kind(part))
 
     def key(self, entry: FileEntry) -> str:

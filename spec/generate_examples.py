@@ -1,6 +1,6 @@
-"""Write the golden example store ``spec/examples/store-v1.3/`` with the reference writer.
+"""Write the golden example store ``spec/examples/store-v1.4/`` with the reference writer.
 
-    python spec/generate_examples.py            # (re)write spec/examples/store-v1.3
+    python spec/generate_examples.py            # (re)write spec/examples/store-v1.4
     python spec/generate_examples.py OUT_DIR    # write the same store elsewhere
 
 The store holds two published snapshots, each written by
@@ -13,16 +13,19 @@ writes one training and one token-capture segment; the second lists the first's 
 segment again whole, its training segment again narrowed by ``row_range`` to the rows still held,
 and writes one new segment of each kind. Its Gym parts are Gym's own files, written into
 ``checkpoint_dir`` (the draft's ``gym/`` folder) as Gym's servers write them and adopted as parts
-of kind ``gym_file`` (SPEC §12.11, CONTROL.md §9). The second snapshot has two more parts, whole
+of kind ``gym_file`` (SPEC §12.11, CONTROL.md §9), which the manifest lists by their part
+manifests and totals (format 1.4, feature ``part_listings``, SPEC §10.4). The second snapshot has two more parts, whole
 files in its folder: ``bulk/``, whose JSON-lines file is large enough (more than 256 KiB of
 content) to be stored zstd-compressed as ``bulk/replay_index.jsonl.zst``, so the golden store
 covers both JSON-lines encodings; and ``nemo-rl/``, NeMo-RL's token-capture staging rows as a data
 plane holds them, written as ``dataplane_rows`` (so that snapshot also requires the format 1.1
 feature ``dataplane_rows``).
 
-``spec/examples/store-v1/``, ``store-v1.1/`` and ``store-v1.2/`` are the stores format 1.0, 1.1
-and 1.2 writers produced; they are kept as they are, and every reader must keep reading them. The
-1.2 store's data files are what ``write_example`` (incremental saves off) still writes.
+``spec/examples/store-v1/``, ``store-v1.1/``, ``store-v1.2/`` and ``store-v1.3/`` are the stores
+format 1.0 to 1.3 writers produced; they are kept as they are, and every reader must keep reading
+them. The 1.2 store's data files are what ``write_example`` (incremental saves off) still writes,
+and the 1.3 store's data files and objects are this store's (1.4 changed only how the manifest lists
+Gym's parts).
 
 Every data file and object is a pure function of the seeds: only ``manifest.json``,
 ``part-manifest.json``, the commit records and ``_latest.json`` carry times and random snapshot
@@ -46,7 +49,7 @@ from snapformat import SnapshotStore, example
 from snapformat.publish import Published
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "examples" / "store-v1.3"
+DEFAULT_OUT = HERE / "examples" / "store-v1.4"
 
 COUNT = 12
 SEEDS = (7, 8)
@@ -122,7 +125,7 @@ def main(argv: list[str]) -> int:
     if out.exists():
         shutil.rmtree(out)
     for p in write_store(out):
-        print(f"published {p.url} (sequence {p.manifest.sequence}, {len(p.manifest.files)} files)")
+        print(f"published {p.url} (sequence {p.manifest.sequence}, {p.manifest.file_count} files)")
     return 0
 
 

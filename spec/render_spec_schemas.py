@@ -11,7 +11,7 @@ Block names in SPEC.md: ``record:<Struct>`` (field table from ``msgspec.inspect`
 example built from the struct, so it always decodes), ``columns:<row kind>`` (from the Arrow
 schemas and ``COLUMN_DESCRIPTIONS`` of ``schemas/rows.py``), ``kinds`` (every ``FileKind``),
 ``constants`` and ``vectors`` (values computed by the code), ``example:object_entry`` (a file entry
-naming a shared object with a row range, read from the golden store ``spec/examples/store-v1.3``). Block names in CONTROL.md (Gym's
+naming a shared object with a row range, read from the golden store ``spec/examples/store-v1.4``). Block names in CONTROL.md (Gym's
 checkpoint control protocol): ``message:<Struct>`` (the same as ``record:``, for every struct of
 ``schemas/control.py`` and ``schemas/gym_files.py``) and ``control:<what>`` (the routes of each
 component, phases, error codes, constants and the topology fingerprint vector).
@@ -111,11 +111,13 @@ from schemas.gym_records import (
 )
 from schemas.jsonschema import CONTROL_MESSAGES, GYM_FILES, field_meaning
 from schemas.manifest import (
+    MAX_LISTED_PARTS,
     CommitRecord,
     FileEntry,
     FileKind,
     GymCommit,
     LatestHint,
+    ListedPart,
     Manifest,
     ParentRef,
     ParticipantCommit,
@@ -282,13 +284,18 @@ def record_examples() -> dict[str, Any]:
         "CommitRecord": CommitRecord(format_version=version.FORMAT_VERSION, sequence=2, snapshot_id=sid, manifest_size=5209,
                                      manifest_checksum=_ck("manifest"), committed_at=1796000123.25),
         "LatestHint": LatestHint(sequence=2, snapshot_id=sid),
-        "Manifest": Manifest(format_version=version.FORMAT_VERSION, snapshot_id=sid, sequence=2, created_at=1796000120.5,
-                             committed_at=1796000123.25, files=files, gym_commit=gym,
+        # Format 1.4: the Gym part is listed by its part manifest and totals (SPEC §10.4).
+        "Manifest": Manifest(format_version=version.FORMAT_VERSION, required_features=[version.PART_LISTINGS],
+                             snapshot_id=sid, sequence=2, created_at=1796000120.5,
+                             committed_at=1796000123.25, files=files[3:],
+                             listed_parts=[ListedPart(prefix=prefix, files=3, bytes=sum(f.size for f in files[:3]))],
+                             gym_commit=gym,
                              topology_fingerprint=manifest_fingerprint(topology_fingerprint(topology_contracts())),
                              parent=ParentRef(snapshot_id="snap-0000000001-0b3d2e11", sequence=1),
                              timings_s={"pause": 2.41, "publish": 0.02}, producer="snapformat 0.1.0"),
         "FileEntry": compressed,
         "ParentRef": ParentRef(snapshot_id="snap-0000000001-0b3d2e11", sequence=1),
+        "ListedPart": ListedPart(prefix=prefix, files=3, bytes=sum(f.size for f in files[:3])),
         "GymCommit": gym,
         "ParticipantCommit": gym.participants[0],
         "PartManifest": PartManifest(format_version=version.FORMAT_VERSION, snapshot_id=sid, prefix=prefix,
@@ -522,12 +529,12 @@ def topology_contracts() -> list[dict[str, Any]]:
 LINE_RECORDS = {
     "AgentContinuationRoot", "AgentStateRecord", "ModelLedgerEntry", "TokenIndexEntry", "SessionStateRecord",
     "ReplayIndexEntry", "PromptGroup", "RolloutAttempt", "AckOwed", "LatestHint", "PartReceipt",
-    "AgentIndexEntry", "ExternalStorageReference",
+    "AgentIndexEntry", "ExternalStorageReference", "ListedPart",
 }
 
 STRUCTS: dict[str, type] = {
     "StoreMarker": StoreMarker, "CommitRecord": CommitRecord, "LatestHint": LatestHint, "Manifest": Manifest,
-    "FileEntry": FileEntry, "ParentRef": ParentRef, "GymCommit": GymCommit, "ParticipantCommit": ParticipantCommit,
+    "FileEntry": FileEntry, "ParentRef": ParentRef, "ListedPart": ListedPart, "GymCommit": GymCommit, "ParticipantCommit": ParticipantCommit,
     "PartManifest": PartManifest, "PartReceipt": PartReceipt, "AgentContinuationRoot": AgentContinuationRoot,
     "AgentStateRecord": AgentStateRecord, "ModelLedgerEntry": ModelLedgerEntry, "TokenIndexEntry": TokenIndexEntry,
     "SessionStateRecord": SessionStateRecord, "LoaderPlace": LoaderPlace, "ReplayIndexEntry": ReplayIndexEntry,
@@ -729,7 +736,9 @@ def constants_block() -> str:
         ("longest JSON line", f"{jsonl.MAX_LINE:,} bytes", "`MAX_LINE`"),
         ("largest manifest", f"{reader.MAX_MANIFEST_BYTES:,} bytes", "`MAX_MANIFEST_BYTES`"),
         ("most file entries in a manifest", f"{_max_files():,}", "`Manifest.files`"),
-        ("largest JSON part (loader place)", f"{reader.MAX_JSON_PART_BYTES:,} bytes", "`MAX_JSON_PART_BYTES`"),
+        ("most listed parts in a manifest (format 1.4)", f"{MAX_LISTED_PARTS:,}", "`MAX_LISTED_PARTS`"),
+        ("largest JSON part (loader place, part manifest)", f"{reader.MAX_JSON_PART_BYTES:,} bytes",
+         "`MAX_JSON_PART_BYTES`"),
         ("largest commit record, store marker", f"{64 * 1024:,} bytes", "`discovery.read_commit`"),
         ("longest safe name, rollout id", f"{identity.MAX_NAME_LEN} characters", "`MAX_NAME_LEN`"),
         ("longest relative path", f"{identity.MAX_PATH_LEN} characters", "`MAX_PATH_LEN`"),
@@ -742,7 +751,7 @@ def constants_block() -> str:
 
 
 #: The golden store the example of an entry naming a shared object is read from, and that entry.
-OBJECT_ENTRY_STORE = SPEC_DIR / "examples" / "store-v1.3"
+OBJECT_ENTRY_STORE = SPEC_DIR / "examples" / "store-v1.4"
 OBJECT_ENTRY = (2, "tq/training-000000.arrow")
 
 

@@ -263,7 +263,8 @@ def write_and_publish(seams: Seams, p: PendingWrite, pause_started: float | None
     progress.published = published
     # Every other file (Gym's parts, the controller's records, part manifests) is written whole by every save.
     progress.parts_bytes = sum(f.size for f in published.manifest.files
-                               if not (f.path.startswith(TQ_PREFIX + "/") and f.kind in FILE_NAMES))
+                               if not (f.path.startswith(TQ_PREFIX + "/") and f.kind in FILE_NAMES)) \
+        + sum(part.bytes for part in published.manifest.listed_parts)
     if p.segments is not None:  # what the next save lists again: this snapshot's segments, now that it is published
         p.segments.set(rows.segments if incremental else None)
     seams.steps.reached("save.published")

@@ -157,7 +157,7 @@ class DataPlane(ABC):
         if not self.is_empty():
             raise DataPlaneNotEmptyError("load needs an empty data plane (call clear() first)")
         prefix = prefix.rstrip("/")
-        entries = [e for e in snapshot.files() if e.kind in FILE_NAMES and e.path.startswith(prefix + "/")]
+        entries = [e for e in snapshot.manifest.files if e.kind in FILE_NAMES and e.path.startswith(prefix + "/")]
         if not entries:
             raise NotPublishedError(f"{snapshot.url}: no row part under {prefix!r}")
         rows: dict[str, int] = {}

@@ -61,7 +61,7 @@ def _read(snap: Snapshot, path: str, kind: str) -> None:
     if kind != "token_index" or isinstance(records, SnapshotError):
         return
     report = verify_snapshot(snap)  # collects problems; raising anything would fail here
-    assert report.files_checked == len(snap.manifest.files)
+    assert report.files_checked == snap.manifest.file_count
     if records:
         typed_or_result(lambda: snap.token_rows(records[0].capture_key, records[0].model_call_id))
 

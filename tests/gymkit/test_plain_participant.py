@@ -73,7 +73,7 @@ def test_save_and_restore_through_the_nemo_gym_actor(where: str, request, tmp_pa
     assert verify_snapshot(snap).ok
     assert snapformat_main(["verify", snap.url]) == 0, capsys.readouterr()
     capsys.readouterr()
-    gym_files = {f.path.removeprefix("gym/"): f for f in snap.manifest.files if f.kind == "gym_file"}
+    gym_files = {f.path.removeprefix("gym/"): f for f in snap.files("gym_file")}
     assert set(gym_files) == set(saved.files)  # every file the participants wrote, listed, nothing else
     for rel, data in saved.files.items():
         assert gym_files[rel].size == len(data)

@@ -90,7 +90,7 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
     # reference the agent's commit answered (kept verbatim in the manifest's gym_commit).
     (agent_commit,) = [p for p in opened.manifest.gym_commit.participants if p.component == "responses_api_agents"]
     ref = agent_commit.payload["continuation_index"]
-    (entry,) = [f for f in opened.manifest.files if f.path == f"gym/{ref['relative_path']}"]
+    (entry,) = opened.select(f"gym/{ref['relative_path']}")
     assert entry.kind == "gym_file" and entry.path.startswith(f"{agent_commit.part_prefix}/")
     data = opened.read_bytes(entry)
     assert (hashlib.sha256(data).hexdigest(), len(data), data.count(b"\n")) == (ref["sha256"], ref["bytes"],

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from schemas.version import (
     KIND_FEATURES,
     KINDS_WITHOUT_FEATURE,
     KNOWN_FEATURES,
+    PART_LISTINGS,
     RESERVED_FEATURES,
     SHARED_OBJECTS,
     check_readable,
@@ -48,6 +50,8 @@ from schemas.version import (
 from snapformat import SnapshotStore, example, layout, open_snapshot, verify_snapshot
 from snapformat.checksum import checksum_bytes
 from snapformat.publish import Published
+
+GOLDEN = Path(__file__).resolve().parents[2] / "spec" / "examples"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,9 +240,10 @@ def test_check_readable() -> None:
         check_readable("2.0", [], "m")
     check_readable("1.3", ["shared_objects"], "m")
     check_readable("1.3", ["dataplane_rows", "shared_objects"], "m")
-    with pytest.raises(VersionError, match=r"incremental \(format version 1.4\); this reader \(format version "
-                                           r"1.3\) knows dataplane_rows, shared_objects"):
-        check_readable("1.4", ["incremental", "shared_objects"], "m")
+    check_readable("1.4", ["part_listings"], "m")
+    with pytest.raises(VersionError, match=r"incremental \(format version 1.5\); this reader \(format version "
+                                           r"1.4\) knows dataplane_rows, part_listings, shared_objects"):
+        check_readable("1.5", ["incremental", "shared_objects"], "m")
     check_readable("1.2", [], "m")
     check_readable("1.2", ["dataplane_rows"], "m")
 
@@ -264,9 +269,7 @@ def test_format_1_2_adds_gym_file_without_a_feature() -> None:
 def test_format_1_3_defines_the_shared_objects_feature() -> None:
     """1.3 makes the reserved name ``shared_objects`` a feature (SPEC §14.2): known, no longer
     reserved, listed exactly when a file entry names an object, whatever the kinds."""
-    assert FORMAT_VERSION == "1.3"
-    assert SHARED_OBJECTS == "shared_objects"
-    assert KNOWN_FEATURES == {"dataplane_rows", "shared_objects"}
+    assert SHARED_OBJECTS == "shared_objects" and SHARED_OBJECTS in KNOWN_FEATURES
     assert RESERVED_FEATURES == frozenset()
     assert SHARED_OBJECTS not in KIND_FEATURES.values()  # a property of entries, not of a kind
     assert features_of_kinds(["training_rows", "token_capture_rows"], objects=True) == ["shared_objects"]
@@ -293,11 +296,11 @@ def test_a_1_2_reader_refuses_shared_objects_naming_both_versions(tmp_path: Path
 
     objects_root, plain_root = tmp_path / "objects", tmp_path / "plain"
     store, pub = publish_with_objects(objects_root)
-    assert pub.manifest.format_version == "1.3" and pub.manifest.required_features == [SHARED_OBJECTS]
+    assert pub.manifest.format_version == FORMAT_VERSION and pub.manifest.required_features == [SHARED_OBJECTS]
     (entry,) = pub.manifest.files[:1]
     assert entry.object == entry.checksum and (objects_root / layout.object_key(entry.object)).is_file()
     plain, plain_pub = publish_small(plain_root)
-    assert plain_pub.manifest.format_version == "1.3" and plain_pub.manifest.required_features == []
+    assert plain_pub.manifest.format_version == FORMAT_VERSION and plain_pub.manifest.required_features == []
 
     monkeypatch.setattr(version, "FORMAT_VERSION", "1.2")
     monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset({"dataplane_rows"}))
@@ -305,8 +308,8 @@ def test_a_1_2_reader_refuses_shared_objects_naming_both_versions(tmp_path: Path
         with pytest.raises(VersionError) as err:
             opener()
         message = str(err.value)
-        assert ("requires feature(s) shared_objects (format version 1.3); this reader (format version 1.2) "
-                "knows dataplane_rows") in message
+        assert (f"requires feature(s) shared_objects (format version {FORMAT_VERSION}); this reader (format version "
+                "1.2) knows dataplane_rows") in message
         assert layout.MANIFEST_NAME in message and pub.manifest.snapshot_id in message
     assert plain.open(1).records("continuations") == [continuation(i) for i in range(3)]
     assert verify_snapshot(plain.open(1)).ok
@@ -329,32 +332,83 @@ def publish_gym_example(root: Path) -> tuple[SnapshotStore, Published]:
     return store, draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=example.TOPOLOGY)
 
 
-def test_a_snapshot_of_gyms_files_lists_no_feature(tmp_path: Path) -> None:
+def test_format_1_4_defines_the_part_listings_feature() -> None:
+    """1.4 adds ``part_listings`` (SPEC §10.4, §14.4): known, listed exactly when a part is listed by
+    its part manifest, whatever the kinds."""
+    assert FORMAT_VERSION == "1.4"
+    assert KNOWN_FEATURES == {"dataplane_rows", "shared_objects", "part_listings"}
+    assert PART_LISTINGS == "part_listings" and PART_LISTINGS not in KIND_FEATURES.values()
+    assert features_of_kinds(["gym_file", "part_manifest"], listed_parts=True) == ["part_listings"]
+    assert features_of_kinds(["dataplane_rows"], objects=True, listed_parts=True) == [
+        "dataplane_rows", "part_listings", "shared_objects"]
+    assert features_of_kinds(["gym_file"]) == []
+
+
+def test_a_snapshot_of_gyms_files_lists_its_gym_parts_by_their_part_manifests(tmp_path: Path) -> None:
+    """The publisher lists each part of Gym's files by its part manifest and totals (SPEC §10.4), so
+    the manifest lists no ``gym_file`` and requires ``part_listings`` only; the reader gives every file."""
     store, pub = publish_gym_example(tmp_path)
-    m = store.open(1).manifest
-    assert m.format_version == FORMAT_VERSION and m.required_features == []
-    assert any(f.kind == "gym_file" for f in m.files) and pub.manifest == m
+    snap = store.open(1)
+    m = snap.manifest
+    assert m.format_version == FORMAT_VERSION and m.required_features == [PART_LISTINGS] and pub.manifest == m
+    assert not any(f.kind == "gym_file" for f in m.files)
+    gym_prefixes = [p.part_prefix for p in m.gym_commit.participants if p.part_prefix]
+    assert [p.prefix for p in m.listed_parts] == gym_prefixes
+    for listed in m.listed_parts:
+        files = snap.part_files(listed.prefix)
+        assert files and all(f.kind == "gym_file" and f.path.startswith(listed.prefix + "/") for f in files)
+        assert (listed.files, listed.bytes) == (len(files), sum(f.size for f in files))
+    assert len(snap.files("gym_file")) == sum(p.files for p in m.listed_parts)
+    assert m.file_count == len(m.files) + sum(p.files for p in m.listed_parts) == len(snap.files())
+    assert m.total_bytes == sum(f.size for f in snap.files())
+
+
+def test_a_1_3_reader_refuses_listed_parts_naming_both_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPEC §13.1, §14.4: a reader of format 1.3 would take the manifest's files for all of them and
+    miss the Gym parts' files; it refuses the snapshot, naming the feature and both versions, every
+    way it opens one."""
+    from schemas import version
+
+    store, pub = publish_gym_example(tmp_path)
+    monkeypatch.setattr(version, "FORMAT_VERSION", "1.3")
+    monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset({"dataplane_rows", "shared_objects"}))
+    for opener in open_all_ways(store, pub):
+        with pytest.raises(VersionError) as err:
+            opener()
+        assert ("requires feature(s) part_listings (format version 1.4); this reader (format version 1.3) "
+                "knows dataplane_rows, shared_objects") in str(err.value)
+
+
+def test_listed_parts_without_the_feature_are_refused(tmp_path: Path) -> None:
+    store, pub = publish_gym_example(tmp_path)
+    rewrite_manifest(tmp_path, pub, lambda m: m.update(required_features=[]))
+    with pytest.raises(CorruptSnapshotError, match="does not list 'part_listings' in required_features"):
+        store.open(1)
 
 
 def test_a_reader_that_does_not_know_gym_file_reads_the_rest(tmp_path: Path) -> None:
-    """What a 1.1 reader does with a 1.2 snapshot: Gym's files are of a kind it does not know (here
-    renamed so this reader does not know it either); it reads every other part and verifies the
-    skipped files' bytes."""
-    store, pub = publish_gym_example(tmp_path)
+    """What a 1.1 reader does with a 1.2 snapshot (the golden one: a 1.4 publisher lists Gym's files
+    by their part manifests, which a 1.1 reader refuses by its feature instead): Gym's files are of a
+    kind it does not know (here renamed so this reader does not know it either); it reads every
+    other part and verifies the skipped files' bytes."""
+    root = tmp_path / "store"
+    shutil.copytree(GOLDEN / "store-v1.2", root)
+    store = SnapshotStore(str(root))
     before = store.open(1)
+    pub = Published(url=before.url, manifest=before.manifest, commit=before.commit)
     loader, replay = before.records("loader"), before.records("replay_index")
     training = before.read_table("training")
-    rewrite_manifest(tmp_path, pub, lambda m: [f.update(kind="gym_file_of_a_newer_minor") for f in m["files"]
-                                               if f["kind"] == "gym_file"])
+    rewrite_manifest(root, pub, lambda m: [f.update(kind="gym_file_of_a_newer_minor") for f in m["files"]
+                                           if f["kind"] == "gym_file"])
     snap = store.open(1)
     assert snap.files("gym_file") == [] and len(snap.files("gym_file_of_a_newer_minor")) == len(before.files("gym_file"))
     assert snap.records("loader") == loader and snap.records("replay_index") == replay
     assert snap.read_table("training").equals(training)
     report = verify_snapshot(snap)
     assert report.ok, report.problems
-    assert report.files_checked == len(snap.manifest.files)
+    assert report.files_checked == snap.manifest.file_count
     (entry,) = [f for f in snap.manifest.files if f.path.endswith("/continuations.jsonl")]
-    path = tmp_path / layout.snapshot_dir(pub.manifest.snapshot_id) / entry.path
+    path = root / layout.snapshot_dir(pub.manifest.snapshot_id) / entry.path
     path.write_bytes(path.read_bytes()[:-1] + b"!")  # an unknown kind's bytes are still checked
     assert [p.file for p in verify_snapshot(store.open(1)).problems] == [entry.path]
 

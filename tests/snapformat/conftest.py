@@ -7,7 +7,8 @@ the tests of the readers of those kinds, which every reader keeps reading.
 
 ``rewrite_manifest`` edits ``manifest.json`` and then updates the commit record's size and
 checksum, so a hand-crafted manifest is refused only by the check a test aims at, never by the
-manifest checksum.
+manifest checksum; ``rewrite_entry`` changes one file's entry the same way, in the part manifest of
+a listed part (SPEC §10.4) when it lies in one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,60 @@ def _rewrite_manifest(root: Path, sequence: int, change: Callable[[dict[str, Any
     manifest_path.write_bytes(data)
     commit.update(manifest_size=len(data), manifest_checksum=checksum_bytes(data))
     commit_path.write_bytes(json.dumps(commit, indent=1).encode() + b"\n")
+
+
+def _rewrite_entry(root: Path, sequence: int, rel: str, **fields: Any) -> None:
+    """Change the entry of ``rel`` where it is listed: in the manifest, or in the part manifest of a
+    listed part (SPEC §10.4), which the manifest then binds again (its size, checksum and totals)."""
+    commit = json.loads((root / layout.commit_key(sequence)).read_bytes())
+    folder = root / layout.snapshot_dir(commit["snapshot_id"])
+    listed = [p["prefix"] for p in json.loads((folder / layout.MANIFEST_NAME).read_bytes()).get("listed_parts", [])
+              if rel.startswith(p["prefix"] + "/")]
+    if not listed:
+        def change(manifest: dict[str, Any]) -> None:
+            (entry,) = [f for f in manifest["files"] if f["path"] == rel]
+            entry.update(fields)
+
+        _rewrite_manifest(root, sequence, change)
+        return
+    (prefix,) = listed
+    part = json.loads((folder / prefix / layout.PART_MANIFEST_NAME).read_bytes())
+    (entry,) = [f for f in part["files"] if f["path"] == rel]
+    entry.update(fields)
+    _put_part_manifest(root, sequence, prefix, json.dumps(part).encode(),
+                       totals={"files": len(part["files"]), "bytes": sum(f["size"] for f in part["files"])})
+
+
+def _put_part_manifest(root: Path, sequence: int, prefix: str, data: bytes,
+                       totals: dict[str, int] | None = None) -> None:
+    """``data`` as the part manifest of the listed part ``prefix``, bound by the manifest (its entry's
+    size and checksum, and with ``totals`` the part's ``files`` and ``bytes``)."""
+    commit = json.loads((root / layout.commit_key(sequence)).read_bytes())
+    part_rel = f"{prefix}/{layout.PART_MANIFEST_NAME}"
+    (root / layout.snapshot_dir(commit["snapshot_id"]) / part_rel).write_bytes(data)
+
+    def bind(manifest: dict[str, Any]) -> None:
+        (own,) = [f for f in manifest["files"] if f["path"] == part_rel]
+        own.update(size=len(data), checksum=checksum_bytes(data))
+        if totals is not None:
+            (listed,) = [p for p in manifest["listed_parts"] if p["prefix"] == prefix]
+            listed.update(totals)
+
+    _rewrite_manifest(root, sequence, bind)
+
+
+@pytest.fixture
+def rewrite_entry() -> Callable[..., None]:
+    """``rewrite_entry(store_root, sequence, rel, **fields)``: change one file's entry wherever it is
+    listed, keeping every checksum that binds it consistent."""
+    return _rewrite_entry
+
+
+@pytest.fixture
+def put_part_manifest() -> Callable[..., None]:
+    """``put_part_manifest(store_root, sequence, prefix, data)``: new bytes for a listed part's part
+    manifest, which the manifest binds (so only the part manifest's own checks can refuse them)."""
+    return _put_part_manifest
 
 
 @pytest.fixture

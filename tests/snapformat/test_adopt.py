@@ -25,7 +25,8 @@ from schemas.gym_files import (
     ResourceSnapshot,
     agent_instance_dir,
 )
-from schemas.manifest import PartReceipt
+from schemas.manifest import ListedPart, PartReceipt
+from schemas.version import PART_LISTINGS
 from snapformat import SnapshotStore, open_store
 from snapformat.adopt import adopt_gym_dir, adopt_part, check_part, gym_folders, materialize_gym, materialize_part
 from snapformat.cli import main
@@ -77,7 +78,7 @@ def test_local_files_are_adopted_in_place_published_and_read_by_the_cli(tmp_path
     published = draft.publish(receipts=receipts)
     snap = store.latest()
     assert verify_snapshot(snap).ok
-    gym_entries = [f for f in snap.manifest.files if f.kind == "gym_file"]
+    gym_entries = snap.files("gym_file")
     assert {f.path for f in gym_entries} == {f"gym/{rel}" for rel in before}
     by_name = {f.path.rsplit("/", 1)[-1]: f for f in gym_entries}
     assert by_name[CONTINUATIONS_NAME].records == 4 and by_name["agent-part-000000.tar"].records == 4
@@ -255,7 +256,11 @@ def test_plain_files_under_another_prefix_and_a_sealed_draft(tmp_path: Path) -> 
     draft = store.begin()
     receipt = adopt_part(draft.url, str(folder), "extra/notes")
     published = draft.publish(receipts=[receipt])
-    files = {f.path: f.records for f in published.manifest.files}
+    # Listed by its part manifest (SPEC §10.4): the manifest names that and the totals, not each file.
+    assert [f.path for f in published.manifest.files] == ["extra/notes/part-manifest.json"]
+    assert published.manifest.listed_parts == [ListedPart(prefix="extra/notes", files=3, bytes=31)]
+    assert published.manifest.required_features == [PART_LISTINGS]
+    files = {f.path: f.records for f in store.open(published.manifest.sequence).files()}
     assert files == {"extra/notes/a.jsonl": 2, "extra/notes/deep/b.txt": 1, "extra/notes/manifest.json": 1,
                      "extra/notes/part-manifest.json": 1}
     with pytest.raises(InvalidPathError, match="already sealed"):
@@ -282,7 +287,7 @@ def test_plain_files_under_another_prefix_and_a_sealed_draft(tmp_path: Path) -> 
 
 
 # -- verify and materialize -------------------------------------------------------------------------------------
-def test_verify_counts_gym_records_and_materialize_comes_back_byte_equal(tmp_path: Path, rewrite_manifest) -> None:
+def test_verify_counts_gym_records_and_materialize_comes_back_byte_equal(tmp_path: Path, rewrite_entry) -> None:
     staging = tmp_path / "staging"
     write_gym_files(staging)
     store = SnapshotStore(str(tmp_path / "store"))
@@ -312,12 +317,9 @@ def test_verify_counts_gym_records_and_materialize_comes_back_byte_equal(tmp_pat
     assert not (tmp_path / "again" / "storage-references.jsonl").exists()
     victim.write_bytes(bytes(data[:3]) + bytes([data[3] ^ 0x01]) + bytes(data[4:]))
 
-    # A record count the manifest gets wrong is named by verify.
-    def wrong(manifest: dict) -> None:
-        entry = next(f for f in manifest["files"] if f["path"].endswith(CONTINUATIONS_NAME))
-        entry["records"] = 9
-
-    rewrite_manifest(tmp_path / "store", published.manifest.sequence, wrong)
+    # A record count the part manifest gets wrong (bound again by the manifest) is named by verify.
+    (continuations,) = [f.path for f in store.latest().files() if f.path.endswith(CONTINUATIONS_NAME)]
+    rewrite_entry(tmp_path / "store", published.manifest.sequence, continuations, records=9)
     problems = verify_snapshot(store.latest()).problems
     assert len(problems) == 1 and "has 4 records, the manifest says 9" in problems[0].message
 

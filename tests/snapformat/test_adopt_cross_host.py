@@ -101,7 +101,7 @@ def test_a_gym_host_adopts_its_own_files_and_another_host_restores_them(seaweed,
     snap = store.latest()
     assert snap is not None and snap.manifest.snapshot_id == published.manifest.snapshot_id
     assert verify_snapshot(snap).ok
-    assert {f.writer for f in snap.manifest.files if f.kind == "gym_file"} == {
+    assert {f.writer for f in snap.files("gym_file")} == {
         f"{p.component}:{p.name}" for p in saved.commit.participants}
     prefixes = [p.part_prefix for p in snap.manifest.gym_commit.participants if p.part_prefix]
     a_dir = gym_parts.restore_dir(snap, prefixes, staging_root=str(host_a / "staging"))  # A's own look, from S3

@@ -22,7 +22,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from snapformat import SnapshotStore, layout
+from snapformat import SnapshotStore, layout, open_snapshot
 from snapformat.cli import main
 from snapformat.example import AGENT, MODEL, TOPOLOGY, gym_prefix, write_example, write_legacy_example
 from tests.snapformat.chains import Chain
@@ -123,7 +123,7 @@ def test_verify_ok_then_fails_naming_the_corrupt_file(tmp_path: Path, capsys) ->
     published = draft.publish(receipts=receipts, gym_commit=gym)
     code, out, _ = run(capsys, "verify", published.url, "--json")
     assert code == 0 and json.loads(out)["ok"] is True
-    victim = next(f for f in published.manifest.files if f.path.endswith(".lineage.jsonl"))  # Gym's model ledger
+    victim = next(f for f in open_snapshot(published.url).files() if f.path.endswith(".lineage.jsonl"))  # Gym's model ledger
     path = Path(published.url) / victim.path
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

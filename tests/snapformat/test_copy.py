@@ -230,8 +230,10 @@ def test_corrupt_seaweedfs_source_publishes_nothing_locally(local_src: Path, sea
     client.put_object(Bucket=bucket, Key=key, Body=good)  # repaired
     # A copy killed mid-file leaves a partial file on local disk: named, not trusted, not deleted.
     folder = dst / "snapshots" / snap.manifest.snapshot_id
-    leftover = next(p for p in folder.rglob("*.jsonl") if p.stat().st_size > 10)
-    leftover.write_bytes(leftover.read_bytes()[:10])
+    first = next(f for f in snap.files() if f.object is None)  # the first file a copy writes
+    leftover = folder / first.path
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    leftover.write_bytes(snap.read_bytes(first)[:10])
     code, out = cli(capsys, "copy", src, dst)
     assert code == 1 and "interrupted copy" in out and str(folder) in out, out
     assert [c.sequence for c in stores(dst).list()] == [2]  # 2 went through, 3 did not

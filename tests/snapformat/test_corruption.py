@@ -90,7 +90,7 @@ def resolve(snap: Snapshot, rel: str) -> str:
     """The snapshot file ``rel`` names: itself, or the first of a role's files."""
     if rel not in ROLES or "*" not in rel:
         return rel
-    return next(f.path for f in snap.manifest.files if re.fullmatch(ROLES[rel], f.path))
+    return next(f.path for f in snap.files() if re.fullmatch(ROLES[rel], f.path))
 
 
 def flip_first(data: bytes) -> bytes:
@@ -165,7 +165,9 @@ def readers_of(snap: Snapshot, rel: str) -> list[Callable[[], Any]]:
     """Every API call that reads ``rel``; each must raise a SnapshotError once it is corrupt."""
     calls: list[Callable[[], Any]] = [lambda: read_part(snap, rel)]
     prefix = rel.rsplit("/", 1)[0]
-    if any(f.kind == GYM_FILE_KIND and f.path.startswith(f"{prefix}/") for f in snap.manifest.files):
+    # A listed part is one of Gym's files (SPEC §10.4); its part manifest may be the corrupt file.
+    if snap.is_listed(prefix) or any(f.kind == GYM_FILE_KIND and f.path.startswith(f"{prefix}/")
+                                     for f in snap.manifest.files):
         # A file of a part of Gym's files: a restore checks the part where it lies, or downloads it.
         calls += [lambda: check_part(snap, prefix), lambda: _download(snap, prefix)]
     if rel.endswith(".arrow"):
@@ -191,7 +193,7 @@ def assert_reported(report: VerifyReport, rel: str, root: Path) -> None:
 def test_the_example_lists_exactly_the_files_covered_here(example_store: Path) -> None:
     snap = open_store(example_store).latest()
     assert snap is not None
-    paths = [f.path for f in snap.manifest.files]
+    paths = [f.path for f in snap.files()]
     roles = {path: [role for role, pattern in ROLES.items() if re.fullmatch(pattern, path)] for path in paths}
     assert all(len(r) == 1 for r in roles.values()), roles  # every file has exactly one role ...
     assert {r[0] for r in roles.values()} == set(ROLES)  # ... and every role a file
@@ -209,7 +211,7 @@ def test_the_example_lists_exactly_the_files_covered_here(example_store: Path) -
 def test_the_legacy_example_lists_exactly_the_files_covered_here(legacy_example_store: Path) -> None:
     snap = open_store(legacy_example_store).latest()
     assert snap is not None
-    assert sorted(f.path for f in snap.manifest.files) == sorted(LEGACY_FILES + LEGACY_OTHER_FILES)
+    assert sorted(f.path for f in snap.files()) == sorted(LEGACY_FILES + LEGACY_OTHER_FILES)
     report = verify_snapshot(snap)
     assert report.ok and report.files_checked == len(LEGACY_FILES + LEGACY_OTHER_FILES)
     for rel in LEGACY_FILES:
@@ -302,14 +304,6 @@ def _publish_zstd_part(root: Path, count: int = 400) -> tuple[SnapshotStore, str
     return store, entry.path, records
 
 
-def _set_entry(rewrite: Callable[..., None], root: Path, rel: str, **fields: Any) -> None:
-    def change(manifest: dict[str, Any]) -> None:
-        (entry,) = [f for f in manifest["files"] if f["path"] == rel]
-        entry.update(fields)
-
-    rewrite(root, 1, change)
-
-
 def _assert_refused(store: SnapshotStore, rel: str, match: str) -> None:
     snap = store.open(1)
     with pytest.raises(CorruptSnapshotError, match=match) as err:
@@ -321,50 +315,50 @@ def _assert_refused(store: SnapshotStore, rel: str, match: str) -> None:
 
 @pytest.mark.parametrize("shrink", [1, 1000, "all"])
 def test_zstd_part_larger_than_its_content_size_is_refused(
-        tmp_path: Path, rewrite_manifest: Callable[..., None], shrink: int | str) -> None:
+        tmp_path: Path, rewrite_entry: Callable[..., None], shrink: int | str) -> None:
     store, rel, _ = _publish_zstd_part(tmp_path / "store")
     real = store.open(1).select(rel)[0].content_size
-    _set_entry(rewrite_manifest, tmp_path / "store", rel, content_size=0 if shrink == "all" else real - shrink)
+    rewrite_entry(tmp_path / "store", 1, rel, content_size=0 if shrink == "all" else real - shrink)
     _assert_refused(store, rel, "content_size")
 
 
-def test_zstd_bomb_with_a_matching_checksum_is_refused(tmp_path: Path, rewrite_manifest: Callable[..., None]) -> None:
+def test_zstd_bomb_with_a_matching_checksum_is_refused(tmp_path: Path, rewrite_entry: Callable[..., None]) -> None:
     store, rel, _ = _publish_zstd_part(tmp_path / "store")
     bomb = zstandard.ZstdCompressor(level=3).compress(b"\n" * (64 << 20))  # 64 MiB of newlines in ~2 KB
     assert len(bomb) < 16 << 10
     snapshot_path(tmp_path / "store", rel).write_bytes(bomb)
-    _set_entry(rewrite_manifest, tmp_path / "store", rel, size=len(bomb), checksum=checksum_bytes(bomb),
+    rewrite_entry(tmp_path / "store", 1, rel, size=len(bomb), checksum=checksum_bytes(bomb),
                content_size=1000)
     _assert_refused(store, rel, "content_size")
 
 
 def test_zstd_part_smaller_than_its_content_size_is_refused(
-        tmp_path: Path, rewrite_manifest: Callable[..., None]) -> None:
+        tmp_path: Path, rewrite_entry: Callable[..., None]) -> None:
     store, rel, _ = _publish_zstd_part(tmp_path / "store")
     real = store.open(1).select(rel)[0].content_size
-    _set_entry(rewrite_manifest, tmp_path / "store", rel, content_size=real + 1)
+    rewrite_entry(tmp_path / "store", 1, rel, content_size=real + 1)
     _assert_refused(store, rel, "content_size")
 
 
-def test_zstd_part_without_content_size_is_refused(tmp_path: Path, rewrite_manifest: Callable[..., None]) -> None:
+def test_zstd_part_without_content_size_is_refused(tmp_path: Path, rewrite_entry: Callable[..., None]) -> None:
     store, rel, _ = _publish_zstd_part(tmp_path / "store")
-    _set_entry(rewrite_manifest, tmp_path / "store", rel, content_size=None)
+    rewrite_entry(tmp_path / "store", 1, rel, content_size=None)
     _assert_refused(store, rel, "content_size")
 
 
-def test_zstd_part_that_is_not_zstd_is_refused(tmp_path: Path, rewrite_manifest: Callable[..., None]) -> None:
+def test_zstd_part_that_is_not_zstd_is_refused(tmp_path: Path, rewrite_entry: Callable[..., None]) -> None:
     store, rel, _ = _publish_zstd_part(tmp_path / "store")
     junk = b'{"not": "zstd"}\n' * 10
     snapshot_path(tmp_path / "store", rel).write_bytes(junk)
-    _set_entry(rewrite_manifest, tmp_path / "store", rel, size=len(junk), checksum=checksum_bytes(junk))
+    rewrite_entry(tmp_path / "store", 1, rel, size=len(junk), checksum=checksum_bytes(junk))
     _assert_refused(store, rel, "zstd")
 
 
 @pytest.mark.parametrize("rel", ["tq/token_capture.arrow", "tq/training.arrow"])
 @pytest.mark.parametrize("batches", [0, 2, 7])
 def test_arrow_part_whose_batch_count_differs_is_refused(
-        example_store: Path, rewrite_manifest: Callable[..., None], rel: str, batches: int) -> None:
-    _set_entry(rewrite_manifest, example_store, rel, batches=batches)  # the real files hold 1 batch
+        example_store: Path, rewrite_entry: Callable[..., None], rel: str, batches: int) -> None:
+    rewrite_entry(example_store, 1, rel, batches=batches)  # the real files hold 1 batch
     snap = open_store(example_store).open(1)
     for call in (lambda: snap.read_table(rel), lambda: snap.open_rows(snap.select(rel)[0])):
         with pytest.raises(CorruptSnapshotError, match="record batches") as err:
@@ -373,11 +367,11 @@ def test_arrow_part_whose_batch_count_differs_is_refused(
     assert_reported(verify_snapshot(snap), rel, example_store)
 
 
-def _assert_count_reported(root: Path, rewrite_manifest: Callable[..., None], role: str) -> None:
+def _assert_count_reported(root: Path, rewrite_entry: Callable[..., None], role: str) -> None:
     snap = open_store(root).open(1)
     rel = resolve(snap, role)
     real = snap.select(rel)[0].records
-    _set_entry(rewrite_manifest, root, rel, records=real + 1)
+    rewrite_entry(root, 1, rel, records=real + 1)
     report = verify_snapshot(open_store(root).open(1))
     assert_reported(report, rel, root)
     assert str(real) in next(p.message for p in report.problems if p.file == rel)
@@ -386,14 +380,14 @@ def _assert_count_reported(root: Path, rewrite_manifest: Callable[..., None], ro
 @pytest.mark.parametrize("rel", ["tq/token_capture.arrow", "tq/training.arrow", "controller/recovery_ledger.jsonl",
                                  f"{AGENT_PART}/agent-part-000000.tar", LINEAGE, SESSION])
 def test_part_whose_record_count_differs_is_reported(
-        example_store: Path, rewrite_manifest: Callable[..., None], rel: str) -> None:
-    _assert_count_reported(example_store, rewrite_manifest, rel)
+        example_store: Path, rewrite_entry: Callable[..., None], rel: str) -> None:
+    _assert_count_reported(example_store, rewrite_entry, rel)
 
 
 @pytest.mark.parametrize("rel", ["gym/model/policy0/tokens.arrow", "gym/model/policy0/ledger.jsonl"])
 def test_a_legacy_part_whose_record_count_differs_is_reported(
-        legacy_example_store: Path, rewrite_manifest: Callable[..., None], rel: str) -> None:
-    _assert_count_reported(legacy_example_store, rewrite_manifest, rel)
+        legacy_example_store: Path, rewrite_entry: Callable[..., None], rel: str) -> None:
+    _assert_count_reported(legacy_example_store, rewrite_entry, rel)
 
 
 @pytest.mark.parametrize("rel", [LINEAGE, "controller/recovery_ledger.jsonl"])

@@ -49,8 +49,8 @@ def as_reader_of(monkeypatch: pytest.MonkeyPatch, format_version: str, known: fr
     monkeypatch.setattr(version, "KNOWN_FEATURES", known)
 
 
-def test_this_version_is_1_3_and_knows_the_feature() -> None:
-    assert FORMAT_VERSION == "1.3" and "dataplane_rows" in version.KNOWN_FEATURES
+def test_this_version_is_1_4_and_knows_the_feature() -> None:
+    assert FORMAT_VERSION == "1.4" and "dataplane_rows" in version.KNOWN_FEATURES
     assert version.features_of_kinds(["training_rows", "dataplane_rows", "dataplane_rows"]) == ["dataplane_rows"]
     assert version.features_of_kinds(["training_rows", "token_capture_rows", "part_manifest", "gym_file"]) == []
     assert version.features_of_kinds(["gym_file", "dataplane_rows"]) == ["dataplane_rows"]

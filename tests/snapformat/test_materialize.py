@@ -35,7 +35,7 @@ def test_materialize_writes_every_gym_part_byte_equal(example_store: Path, tmp_p
     for prefix, names in doc["parts"].items():
         for name in names:
             got = (tmp_path / "ck" / prefix.removeprefix("gym/") / name).read_bytes()
-            entry = next(f for f in snap.manifest.files if f.path == f"{prefix}/{name}")
+            entry = next(f for f in snap.files() if f.path == f"{prefix}/{name}")
             assert got == snap.read_bytes(entry), f"{prefix}/{name}"
     # Only the part asked for, and a second run keeps what is already right.
     one = prefixes[0]
@@ -46,7 +46,7 @@ def test_materialize_writes_every_gym_part_byte_equal(example_store: Path, tmp_p
 def test_materialize_refuses_a_corrupt_file_naming_it(example_store: Path, tmp_path: Path) -> None:
     snap = SnapshotStore(str(example_store)).latest()
     assert snap is not None
-    entry = next(f for f in snap.manifest.files if f.path.endswith("continuations.jsonl"))
+    entry = next(f for f in snap.files() if f.path.endswith("continuations.jsonl"))
     path = example_store / "snapshots" / snap.manifest.snapshot_id / entry.path
     data = bytearray(path.read_bytes())
     data[0] ^= 0x01

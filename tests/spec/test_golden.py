@@ -46,7 +46,7 @@ from schemas.errors import CorruptSnapshotError, TopologyMismatchError, VersionE
 from schemas.gym_files import agent_instance_dir, ledger_dir, resources_dir
 from schemas.manifest import FileKind
 from schemas.rows import DATAPLANE_SCHEMA, TOKEN_CAPTURE_SCHEMA, TOKEN_CAPTURE_SCHEMA_V1, TRAINING_SCHEMA
-from schemas.version import FORMAT_VERSION, SHARED_OBJECTS, features_of_kinds
+from schemas.version import FORMAT_VERSION, PART_LISTINGS, SHARED_OBJECTS, features_of_kinds
 from snapformat import SnapshotStore, example, layout, open_snapshot, verify_snapshot
 from snapformat.adopt import gym_prefixes, materialize_gym
 from snapformat.checksum import checksum_bytes
@@ -57,16 +57,19 @@ from snapformat.token_rows import batch_entries
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "spec" / "examples"
 #: Each golden store, with the format version its manifests carry.
-STORES = {"store-v1": "1.0", "store-v1.1": "1.1", "store-v1.2": "1.2", "store-v1.3": FORMAT_VERSION}
-NEWEST = "store-v1.3"
+STORES = {"store-v1": "1.0", "store-v1.1": "1.1", "store-v1.2": "1.2", "store-v1.3": "1.3",
+          "store-v1.4": FORMAT_VERSION}
+NEWEST = "store-v1.4"
 #: Stores whose Gym parts are this project's own kinds (format 1.0 and 1.1 writers).
 LEGACY = {"store-v1", "store-v1.1"}
 #: Stores whose Gym parts are Gym's own files (format 1.2 on).
-GYM_STORES = ("store-v1.2", "store-v1.3")
+GYM_STORES = ("store-v1.2", "store-v1.3", "store-v1.4")
 #: Stores whose data-plane rows are shared objects (format 1.3 on, incremental).
-INCREMENTAL = {"store-v1.3"}
+INCREMENTAL = {"store-v1.3", "store-v1.4"}
+#: Stores whose manifests list Gym's parts by their part manifests (format 1.4 on, SPEC §10.4).
+LISTED = {"store-v1.4"}
 #: The loader place's ``consumed`` (prompt groups so far) of each sequence.
-CONSUMED = {"store-v1.3": {1: 3, 2: 6}}
+CONSUMED = {"store-v1.3": {1: 3, 2: 6}, "store-v1.4": {1: 3, 2: 6}}
 GYM_LINE = ('{"schema_version": 1, "rollout_id": "p7_g2", "attempt_index": 0, "capture_key": "p7_g2", '
             '"last_committed_model_call_id": "call-2", "resource_state_revisions": {"tools": 3}}')
 #: Files that carry times or random ids, so they differ between two runs of the generator.
@@ -156,14 +159,18 @@ def test_list_and_latest(golden, store, snaps):
         assert m.format_version == STORES[golden]
         assert m.topology_fingerprint == topology
         assert m.required_features == features_of_kinds((f.kind for f in m.files),
-                                                        objects=any(f.object for f in m.files))
+                                                        objects=any(f.object for f in m.files),
+                                                        listed_parts=bool(m.listed_parts))
         assert any(f.object for f in m.files) == (golden in INCREMENTAL)
-    # 1.3's snapshots name shared objects: the format 1.3 feature.
-    shared = [SHARED_OBJECTS] if golden in INCREMENTAL else []
-    assert first.required_features == shared
+        assert [p.prefix for p in m.listed_parts] == ([p.part_prefix for p in m.gym_commit.participants]
+                                                      if golden in LISTED else [])
+    # 1.3's snapshots name shared objects: the format 1.3 feature; 1.4's list Gym's parts by their
+    # part manifests: the format 1.4 feature.
+    later = sorted(([SHARED_OBJECTS] if golden in INCREMENTAL else []) + ([PART_LISTINGS] if golden in LISTED else []))
+    assert first.required_features == later
     # The second snapshot from 1.1 on holds NeMo-RL staging rows: the format 1.1 feature. Gym's
     # files (1.2) need none.
-    assert second.required_features == ([] if golden == "store-v1" else ["dataplane_rows"]) + shared
+    assert second.required_features == sorted(([] if golden == "store-v1" else ["dataplane_rows"]) + later)
     assert store.latest_matching(topology).sequence == 2
     # open by location, as `ls` prints it
     assert open_snapshot(snaps[2].url).manifest == second
@@ -196,7 +203,7 @@ def test_verify_ok(snaps):
     for snap in snaps.values():
         report = verify_snapshot(snap)
         assert report.ok, report.problems
-        assert report.files_checked == len(snap.manifest.files)
+        assert report.files_checked == snap.manifest.file_count
 
 
 def test_both_json_lines_encodings(golden, snaps):
@@ -282,7 +289,7 @@ def _gym_dir(snap) -> Path:
 
 def test_every_part_kind_of_the_gym_stores_reads(gym_store, gym_snaps):
     for seq, snap in gym_snaps.items():
-        kinds = {f.kind for f in snap.manifest.files}
+        kinds = {f.kind for f in snap.files()}
         expected = {"training_rows", "token_capture_rows", "loader_place", "replay_index", "recovery_ledger",
                     "part_manifest", GYM_FILE_KIND} | ({"dataplane_rows"} if seq == 2 else set())
         assert kinds == expected, seq
@@ -303,10 +310,10 @@ def test_gym_parts_are_gyms_layout_and_commit_replies_verbatim(gym_snaps):
         prefixes = [example.gym_prefix(c.component, c.name) for c in example.CAPABILITIES]
         assert gym_prefixes(snap) == prefixes  # first in the manifest, in commit order
         assert prefixes[0] == f"gym/{agent_instance_dir(example.AGENT)}"
-        files = {f.path: f for f in snap.manifest.files}
+        files = {f.path: f for f in snap.files()}
         for p in snap.manifest.gym_commit.participants:
             assert p.part_prefix == example.gym_prefix(p.component, p.name)
-            part = [f for f in snap.manifest.files if f.path.startswith(p.part_prefix + "/")]
+            part = [f for f in files.values() if f.path.startswith(p.part_prefix + "/")]
             assert {f.kind for f in part} == {GYM_FILE_KIND, "part_manifest"}
             assert all(f.writer == f"{p.component}:{p.name}" for f in part)
             reply = msgspec.convert(p.payload, COMMIT_REPLIES[p.component])
@@ -419,7 +426,7 @@ def test_cli_verify_show_and_cat_continuations(gym_store, gym_snaps, capsys):
     assert "OK" in capsys.readouterr().out
     assert snapformat_main(["verify", newest[2].url, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["problems"] == [] and report["files_checked"] == len(newest[2].manifest.files)
+    assert report["problems"] == [] and report["files_checked"] == newest[2].manifest.file_count
 
     assert snapformat_main(["show", url, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
@@ -466,7 +473,7 @@ def test_the_legacy_writer_is_the_1_1_writer(tmp_path, legacy_snaps):
 def _data_files(snap) -> dict:
     """Each listed file that carries no time or random id: path -> what pins its bytes and rows."""
     return {f.path: (f.kind, f.size, f.checksum, f.records, f.batches, f.object, f.row_range)
-            for f in snap.manifest.files if f.kind not in VOLATILE_KINDS}
+            for f in snap.files() if f.kind not in VOLATILE_KINDS}
 
 
 def test_regenerated_data_files_are_byte_identical(tmp_path, newest):
@@ -483,7 +490,7 @@ def test_regenerated_data_files_are_byte_identical(tmp_path, newest):
         assert sorted(got) == sorted(want), seq
         for path, entry in want.items():
             assert got[path] == entry, f"sequence {seq}: {path} changed"
-        for entry in new.manifest.files:
+        for entry in new.files():
             if entry.kind not in VOLATILE_KINDS:
                 algorithm = entry.checksum.split(":", 1)[0]
                 assert checksum_bytes(new.read_bytes(entry), algorithm) == entry.checksum
@@ -516,7 +523,8 @@ def test_the_writer_without_incremental_saves_writes_the_1_2_store(tmp_path):
         new = open_snapshot(draft.publish(receipts=receipts, gym_commit=gym, topology_fingerprint=example.TOPOLOGY).url)
         assert _data_files(new) == _data_files(golden[seq]), seq
         assert new.manifest.format_version == FORMAT_VERSION
-        assert new.manifest.required_features == golden[seq].manifest.required_features  # no shared_objects
+        # no shared_objects; Gym's parts listed by their part manifests (1.4)
+        assert new.manifest.required_features == sorted(golden[seq].manifest.required_features + [PART_LISTINGS])
     assert not (tmp_path / "store" / layout.OBJECTS).exists()
 
 
@@ -614,12 +622,29 @@ def test_a_1_2_reader_refuses_the_incremental_store_naming_both_versions(monkeyp
     snapshots, naming the feature, the snapshot's version and its own; it still reads the 1.2 store."""
     monkeypatch.setattr(version, "FORMAT_VERSION", "1.2")
     monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset({"dataplane_rows"}))
-    store = SnapshotStore(str(EXAMPLES / NEWEST))
+    for name, unknown in (("store-v1.3", SHARED_OBJECTS), ("store-v1.4", f"{PART_LISTINGS}, {SHARED_OBJECTS}")):
+        store = SnapshotStore(str(EXAMPLES / name))
+        for seq in (1, 2):
+            with pytest.raises(VersionError) as err:
+                store.open(seq)
+            message = str(err.value)
+            assert f"requires feature(s) {unknown} (format version {STORES[name]})" in message
+            assert "this reader (format version 1.2) knows dataplane_rows" in message
+            assert layout.MANIFEST_NAME in message
+    assert SnapshotStore(str(EXAMPLES / "store-v1.2")).open(2).read_table("training").num_rows > 0
+
+
+def test_a_1_3_reader_refuses_the_1_4_store_and_reads_the_1_3_store(monkeypatch):
+    """SPEC §13.1, §14.4: a reader of format 1.3 would take the manifest's files for all of them and
+    find no Gym files; it refuses both 1.4 snapshots naming ``part_listings`` and both versions, and
+    still reads the 1.3 store, whose data files and objects are the 1.4 store's."""
+    monkeypatch.setattr(version, "FORMAT_VERSION", "1.3")
+    monkeypatch.setattr(version, "KNOWN_FEATURES", frozenset({"dataplane_rows", SHARED_OBJECTS}))
+    store = SnapshotStore(str(EXAMPLES / "store-v1.4"))
     for seq in (1, 2):
         with pytest.raises(VersionError) as err:
             store.open(seq)
-        message = str(err.value)
-        assert f"requires feature(s) {SHARED_OBJECTS} (format version 1.3)" in message
-        assert "this reader (format version 1.2) knows dataplane_rows" in message
-        assert layout.MANIFEST_NAME in message
-    assert SnapshotStore(str(EXAMPLES / "store-v1.2")).open(2).read_table("training").num_rows > 0
+        assert (f"requires feature(s) {PART_LISTINGS} (format version 1.4); this reader (format version 1.3) knows "
+                f"dataplane_rows, {SHARED_OBJECTS}") in str(err.value)
+    older = SnapshotStore(str(EXAMPLES / "store-v1.3"))
+    assert older.open(2).read_table("training").num_rows > 0 and verify_snapshot(older.open(2)).ok

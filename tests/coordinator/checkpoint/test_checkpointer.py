@@ -233,7 +233,7 @@ def check_gym_parts(snap: Any, gym: FakeGym) -> None:
         (AGENTS, "agent0", GYM_PREFIXES[0]), (MODELS, "policy0", GYM_PREFIXES[1]), (RESOURCES, "tools", GYM_PREFIXES[2])]
     assert [p.payload for p in commit.participants] == [msgspec.to_builtins(p.reply) for p in gym.commit.participants]
     for p in commit.participants:
-        listed = {e.path: e.kind for e in snap.manifest.files if e.path.startswith(p.part_prefix + "/")}
+        listed = {e.path: e.kind for e in snap.files() if e.path.startswith(p.part_prefix + "/")}
         on_disk = {f"{p.part_prefix}/{f.name}" for f in (Path(snap.url) / p.part_prefix).iterdir()}
         assert listed == {path: "part_manifest" if path.endswith("/part-manifest.json") else "gym_file"
                           for path in on_disk}  # every file Gym wrote, listed as a gym_file
