@@ -12,9 +12,10 @@ fresh child process, so its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) is i
   and lineage rows carry Gym's TokenEntry, a sample of which released Gym's own
   ``nemo_gym.token_id_capture.records.TokenEntry`` validates. The records of a server are produced
   lazily, in Gym's order, as a server holding them would hand them over.
-* **adopt**: ``snapformat.adopt.adopt_gym_dir`` of the folder into its draft, then ``publish``; the
-  snapshot manifest lists every file, so this is where its bounds (``MAX_MANIFEST_BYTES``, 1,000,000
-  file entries) show. A refusal is recorded as the step's result, not raised.
+* **adopt**: ``snapformat.adopt.adopt_gym_dir`` of the folder into its draft, then ``publish``. Since
+  format 1.4 the manifest lists each Gym folder by its part manifest (a listed part, SPEC §10.4); up
+  to 1.3 it listed every file, and this is where its bounds (``MAX_MANIFEST_BYTES``, 1,000,000 file
+  entries) showed. A refusal is recorded as the step's result, not raised.
 * **read**: what a restore parses: ``read_agent_checkpoint`` (agent), ``refgym``'s ``RefModel.restore``
   (ledger and every lineage row), ``load_resources_checkpoint`` with the agents' revisions checked
   (resources), one server after the other; each server's restored state is dropped before the next.
@@ -252,6 +253,7 @@ def step_adopt(gym: Path, store_url: str, draft_id: str) -> dict[str, Any]:
         out |= {"published": True, "url": published.url,
                 "manifest_bytes": (Path(published.url) / "manifest.json").stat().st_size,
                 "manifest_files": len(published.manifest.files),
+                "listed_parts": len(published.manifest.listed_parts),
                 # what the snapshot says it holds of Gym's files (the write step's files and bytes)
                 "gym_files": sum(1 for f in published.manifest.files if f.kind == "gym_file")
                 + sum(p.files for p in published.manifest.listed_parts),
@@ -260,7 +262,7 @@ def step_adopt(gym: Path, store_url: str, draft_id: str) -> dict[str, Any]:
     out["publish_s"] = time.perf_counter() - t1
     if out["published"]:
         # Published is not the end: a reader must open it within its own bounds (MAX_MANIFEST_BYTES,
-        # 1,000,000 file entries), which the publisher does not check.
+        # 1,000,000 file entries; publish refuses past them since issue 22, as it did not before).
         from snapformat.reader import open_snapshot
 
         try:
@@ -547,7 +549,8 @@ def markdown(r: dict[str, Any]) -> str:
                 detail = (f"{m['files']:,} files, {m['bytes'] / MIB:,.1f} MiB; agent {m['agent_s']:.1f} s, ledger "
                           f"{m['ledger_s']:.1f} s, resources {m['resources_s']:.1f} s")
             elif step == "adopt":
-                detail = (f"published, manifest {m['manifest_bytes'] / MIB:,.1f} MiB, {m['manifest_files']:,} entries"
+                detail = (f"published, manifest {m['manifest_bytes']:,} bytes, {m['manifest_files']:,} entries"
+                          + (f" and {m['listed_parts']} listed parts" if m.get("listed_parts") else "")
                           if m.get("published") else f"**refused**: {m.get('error', '')[:200]}")
                 if m.get("readable") is False:
                     detail += f"; **no reader opens it**: {m.get('read_error', '')[-120:]}"
