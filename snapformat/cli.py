@@ -158,7 +158,7 @@ def _sharing(snap: Snapshot) -> dict[str, Any]:
     """
     m = snap.manifest
     objects = {f.object: f.size for f in m.files if f.object is not None}
-    own = sum(f.size for f in m.files if f.object is None)
+    own = sum(f.size for f in m.files if f.object is None) + sum(p.bytes for p in m.listed_parts)
     parent_objects: set[str] = set()
     if m.parent is None:
         parent = "none"

@@ -259,7 +259,7 @@ def test_show_says_bytes_new_and_shared_with_the_parent(incremental_store: Path,
     first, second = store.open(1).manifest, store.open(2).manifest
     parent_objects = {f.object for f in first.files if f.object}
     shared = {f.object: f.size for f in second.files if f.object in parent_objects}
-    total = sum(f.size for f in second.files)
+    total = second.total_bytes
     code, out, _ = run(capsys, "show", str(incremental_store), "--json")
     assert code == 0
     b = json.loads(out)["bytes"]

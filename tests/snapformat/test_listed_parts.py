@@ -28,6 +28,7 @@ from schemas.manifest import MAX_LISTED_PARTS, ListedPart
 from schemas.version import PART_LISTINGS
 from snapformat import SnapshotStore, layout, verify_snapshot
 from snapformat.adopt import adopt_part, materialize_part
+from snapformat.cli import main
 from snapformat.copy import copy_snapshot
 from snapformat.kinds import GYM_FILE_KIND
 from snapformat.publish import _check_within_reader_bounds
@@ -121,6 +122,21 @@ def test_publish_refuses_more_listed_parts_than_a_reader_opens(tmp_path: Path) -
         listed_parts=[ListedPart(prefix=f"gym/{i}", files=0, bytes=0) for i in range(MAX_LISTED_PARTS + 1)])
     with pytest.raises(InvalidRecordError, match=r"'listed_parts' would list 100,001 parts \(expected at most 100,000"):
         _check_within_reader_bounds(draft, snap_manifest, b"{}")
+
+
+def test_the_command_counts_and_lists_the_files_of_listed_parts(published: Published, capsys) -> None:
+    """``ls``, ``show`` and ``verify`` count a listed part's files and bytes as the snapshot's own."""
+    m = published.snap.manifest
+    assert main(["ls", str(published.root), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["files"], row["bytes"]) == (m.file_count, m.total_bytes) == (7, 7 + sum(f.size for f in m.files))
+    assert main(["show", published.snap.url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["bytes"]["total"] == m.total_bytes and len(shown["files"]) == m.file_count
+    assert shown["listed_parts"] == msgspec.to_builtins(m.listed_parts)
+    assert [(g["prefix"], g["files"]) for g in shown["gym_parts"]] == [("gym/a", 2), ("gym/b", 1)]
+    assert main(["verify", published.snap.url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["files_checked"] == m.file_count
 
 
 # ---- a manifest that breaks the rules of listed_parts --------------------------------------------
