@@ -4,7 +4,8 @@
    part's prefix, and every listed file (and every shared object an entry names) exists with its
    listed size. *Crash: the draft stays unlisted; GC sweeps it by age, and the objects only it
    wrote once they are older than the grace period (SPEC §14.2).*
-2. Write ``snapshots/<id>/manifest.json`` (create-only, durable). *Crash: as 1.*
+2. Write ``snapshots/<id>/manifest.json`` (create-only, durable), each part of Gym's files listed by
+   its part manifest and totals (SPEC §10.4), every other file by its own entry. *Crash: as 1.*
 3. Commit: create ``_commits/<inverted sequence>.json`` only if absent (the commit point). If it
    exists, another writer won: raise :class:`CommitConflictError` and delete this draft.
    *Crash before the create completes: as 1. After: the snapshot is published.*

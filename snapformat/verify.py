@@ -238,13 +238,14 @@ def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = Non
     problems: list[Problem] = []
     readers: dict[str, pa.ipc.RecordBatchFileReader] = {}
     token_index: list = []
-    checked = [0, 0]  # files, bytes
+    files_checked = checked_bytes = 0
 
     def check_one(entry: FileEntry, listed_part_manifest: bool = False) -> bool:
-        checked[0] += 1
+        nonlocal files_checked, checked_bytes
+        files_checked += 1
         try:
             _check_bytes(snap, entry, progress, objects)
-            checked[1] += entry.size
+            checked_bytes += entry.size
             storage = storage_of(entry.kind)
             if storage == "rows":
                 _check_rows(snap, entry, readers, objects)
@@ -273,7 +274,7 @@ def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = Non
         for f in files:
             check_one(f)
     _check_token_index(snap, token_index, readers, problems)
-    return VerifyReport(snap.url, snap.sequence, checked[0], checked[1], problems)
+    return VerifyReport(snap.url, snap.sequence, files_checked, checked_bytes, problems)
 
 
 class ObjectReference(msgspec.Struct, frozen=True):
