@@ -441,7 +441,7 @@ def summarize(rows: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
                 continue
             med = {"repeats": len(ms), "seconds": statistics.median(r["seconds"] for r in ms),
                    "peak_rss": statistics.median(r["peak_rss"] for r in ms)}
-            for k in ("files", "bytes", "published", "error", "manifest_bytes", "manifest_files", "gym_files",
+            for k in ("files", "bytes", "published", "error", "manifest_bytes", "manifest_files", "listed_parts", "gym_files",
                       "gym_file_bytes", "readable",
                       "read_error", "problems", "snapshot_ok", "agent_records",
                       "ledger_rows", "sessions", "gym_folders"):
