@@ -156,10 +156,11 @@ class RayNode:
                 f"--resources={json.dumps(self.resources, separators=(',', ':'))}",
                 f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats",
                 "--min-worker-port=0", "--max-worker-port=0"]
-        # Ray refuses a node with one port given to two of its servers: the ports are picked together.
+        # Ray refuses a node with one port given to two of its servers: the ports are picked together,
+        # and never the GCS port (picked earlier, unbound until the head starts).
         options = NODE_PORT_OPTIONS + (HEAD_PORT_OPTIONS if self.head else ())
-        argv += [f"--{option}={port}" for option, port in zip(options, free_ports([LOCALHOST] * len(options)),
-                                                               strict=True)]
+        ports = free_ports([LOCALHOST] * len(options), exclude={self.gcs_port})
+        argv += [f"--{option}={port}" for option, port in zip(options, ports, strict=True)]
         if self.head:
             argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false"]
         else:

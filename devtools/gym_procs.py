@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,15 +183,19 @@ def free_port(host: str = LOCALHOST) -> int:
     return port
 
 
-def free_ports(hosts: Sequence[str]) -> list[int]:
-    """One port free right now on each address of ``hosts``, distinct where an address repeats: each
-    socket stays bound until all are picked, so the kernel cannot hand a port out twice (it did, one
-    pick at a time: Ray refused a node whose node-manager and metrics-export ports were both 51391)."""
+def free_ports(hosts: Sequence[str], exclude: Collection[int] = ()) -> list[int]:
+    """One port free right now on each address of ``hosts``, distinct where an address repeats and
+    none of ``exclude`` (ports already promised to a server not yet started): each socket stays bound
+    until all are picked, so the kernel cannot hand a port out twice (it did, one pick at a time: Ray
+    refused a node whose node-manager and metrics-export ports were both 51391)."""
     with contextlib.ExitStack() as held:
         ports = []
         for host in hosts:
-            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
+            while True:  # an excluded port stays held, so the next bind gets another
+                sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                sock.bind((host, 0))
+                if sock.getsockname()[1] not in exclude:
+                    break
             ports.append(sock.getsockname()[1])
         return ports
 

@@ -142,7 +142,7 @@ def _summary(snap: Snapshot) -> dict[str, Any]:
         "producer": m.producer,
         "kinds": by_kind,
         "bytes": _sharing(snap),
-        "gym_parts": _gym_parts(snap),
+        "gym_parts": _gym_parts(snap, files),
         "listed_parts": msgspec.to_builtins(m.listed_parts),
         "files": msgspec.to_builtins(files),
     }
@@ -186,12 +186,14 @@ def _sharing(snap: Snapshot) -> dict[str, Any]:
     }
 
 
-def _gym_parts(snap: Snapshot) -> list[dict[str, Any]]:
-    """Each part whose files Gym wrote itself (kind ``gym_file``), with its record counts."""
+def _gym_parts(snap: Snapshot, files: list[FileEntry]) -> list[dict[str, Any]]:
+    """Each part whose files Gym wrote itself (kind ``gym_file``), with its record counts; ``files``:
+    every file of the snapshot (``snap.files()``, listed parts' included)."""
     suffix = "/" + layout.PART_MANIFEST_NAME
     prefixes = [f.path[: -len(suffix)] for f in snap.manifest.files if f.kind == "part_manifest"]
-    parts = [(prefix, snap.part_files(prefix)) for prefix in prefixes]
-    return [gym_part_summary(prefix, files) for prefix, files in parts if any(f.kind == GYM_FILE_KIND for f in files)]
+    gym = {f.path for f in files if f.kind == GYM_FILE_KIND}
+    return [gym_part_summary(prefix, files) for prefix in prefixes
+            if any(path.startswith(prefix + "/") for path in gym)]
 
 
 def cmd_show(args: argparse.Namespace) -> int:

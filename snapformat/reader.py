@@ -7,7 +7,7 @@ behind it: :func:`snapformat.arrow_parts.open_buffer`). Errors are typed and nam
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -107,7 +107,7 @@ def check_listed_parts(manifest: Manifest, where: str) -> None:
             f"{where}: listed_parts name {min(part_manifests)!r}, which files does not list")
 
 
-def _listed_ancestor(path: str, prefixes: set[str]) -> str | None:
+def _listed_ancestor(path: str, prefixes: Container[str]) -> str | None:
     """The listed prefix ``path`` lies under (not ``path`` itself), if any."""
     cut = path.rfind("/")
     while cut > 0:
@@ -235,7 +235,7 @@ class Snapshot:
         for f in self.manifest.files:
             if f.path == part:
                 return [f]
-        listed = _listed_ancestor(part, set(self._listed))
+        listed = _listed_ancestor(part, self._listed)
         if listed is not None:
             found = [f for f in self.part_files(listed) if f.path == part]
             if found:

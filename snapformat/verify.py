@@ -240,7 +240,7 @@ def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = Non
     token_index: list = []
     files_checked = checked_bytes = 0
 
-    def check_one(entry: FileEntry, listed_part_manifest: bool = False) -> bool:
+    def check_one(entry: FileEntry) -> None:
         nonlocal files_checked, checked_bytes
         files_checked += 1
         try:
@@ -249,28 +249,31 @@ def verify_snapshot(snap: Snapshot, progress: Callable[[int], None] | None = Non
             storage = storage_of(entry.kind)
             if storage == "rows":
                 _check_rows(snap, entry, readers, objects)
-            elif storage in ("jsonl", "json") and entry.kind in RECORD_TYPES and not listed_part_manifest:
-                _check_records(snap, entry, token_index)  # a listed part's is decoded by part_files, below
+            elif storage in ("jsonl", "json") and entry.kind in RECORD_TYPES:
+                _check_records(snap, entry, token_index)
             elif storage == "gym":
                 _check_gym_file(snap, entry)
         except SnapshotError as exc:
             problems.append(Problem(entry.path, str(exc)))
-            return False
-        return True
 
     suffix = "/" + layout.PART_MANIFEST_NAME
     for entry in snap.manifest.files:
         prefix = entry.path[: -len(suffix)] if entry.kind == "part_manifest" else ""
-        listed = bool(prefix) and snap.is_listed(prefix)
-        if not check_one(entry, listed) or not listed:
+        if not (prefix and snap.is_listed(prefix)):
+            check_one(entry)
             continue
-        # A listed part's files (SPEC §10.4), after its part manifest; one that fails its checks is one
-        # problem, named by the part manifest, and the files only it would list are not checked.
+        # A listed part (SPEC §10.4): part_files reads its part manifest once, size and checksum checked,
+        # then its own rules. One that fails is one problem, named by the part manifest, and the files
+        # only it would list are not checked.
+        files_checked += 1
         try:
             files = snap.part_files(prefix)
         except SnapshotError as exc:
             problems.append(Problem(entry.path, str(exc)))
             continue
+        checked_bytes += entry.size
+        if progress is not None:
+            progress(entry.size)
         for f in files:
             check_one(f)
     _check_token_index(snap, token_index, readers, problems)

@@ -21,6 +21,11 @@ def test_ports_picked_together_are_distinct_and_free() -> None:
         sock.bind((LOCALHOST, ports[0]))
 
 
+def test_excluded_ports_are_never_picked() -> None:
+    taken = set(free_ports([LOCALHOST] * PICKS))  # released: the kernel may hand any of them out again
+    assert not taken & set(free_ports([LOCALHOST] * PICKS, exclude=taken))
+
+
 @pytest.mark.skipif(not bindable("127.0.0.2"), reason="127.0.0.2 is not a loopback address on this machine")
 def test_ports_on_other_addresses_are_picked_on_those_addresses() -> None:
     hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.1"]
