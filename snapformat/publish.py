@@ -36,12 +36,12 @@ from schemas.manifest import (
     Manifest,
     PartManifest,
 )
-from schemas.version import FORMAT_VERSION, check_readable, features_of_kinds
+from schemas.version import FORMAT_VERSION, features_of_kinds
 from snapformat import jsonl, layout
 from snapformat.checksum import check, checksum_bytes
 from snapformat.draft import PartReceipt, SnapshotDraft
 from snapformat.kinds import GYM_FILE_KIND, RECORD_TYPES, storage_of
-from snapformat.reader import MAX_JSON_PART_BYTES, MAX_MANIFEST_BYTES, check_entry
+from snapformat.reader import MAX_JSON_PART_BYTES, MAX_MANIFEST_BYTES, check_part_manifest
 from snapformat.store import Store, open_store
 
 log = logging.getLogger("snapformat.publish")
@@ -70,13 +70,7 @@ def load_part(store: Store, snapshot_id: str, receipt: PartReceipt) -> PartManif
     if actual != receipt.part_manifest_checksum:
         raise CorruptSnapshotError(f"{where}: checksum {actual} differs from the receipt's {receipt.part_manifest_checksum}")
     part = jsonl.decode_json(data, PartManifest, where)
-    check_readable(part.format_version, [], where)
-    if part.snapshot_id != snapshot_id or part.prefix != receipt.prefix:
-        raise CorruptSnapshotError(f"{where}: written for snapshot {part.snapshot_id!r} prefix {part.prefix!r}")
-    for i, f in enumerate(part.files):
-        check_entry(f, f"{where}: files[{i}]")
-        if not f.path.startswith(receipt.prefix + "/"):
-            raise InvalidPathError(f"{where}: file {f.path!r} lies outside the part's prefix {receipt.prefix!r}")
+    check_part_manifest(part, snapshot_id, receipt.prefix, where)
     return part
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from schemas.errors import CorruptSnapshotError, InvalidRecordError, NotPublishedError
+from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError, NotPublishedError
 from schemas.gym_records import TokenIndexEntry
 from schemas.identity import check_relative_path
 from schemas.manifest import CommitRecord, FileEntry, ListedPart, Manifest, PartManifest
@@ -117,24 +117,31 @@ def _listed_ancestor(path: str, prefixes: Container[str]) -> str | None:
     return None
 
 
-def check_listed_part(part: PartManifest, listed: ListedPart, snapshot_id: str, where: str) -> list[FileEntry]:
-    """A listed part's part manifest against the manifest's account of it (SPEC §10.4): written for
-    this snapshot and prefix in a readable version; each entry a safe path under the prefix, once, of
-    kind ``gym_file``, naming no shared object; as many files and bytes as ``listed`` says."""
+def check_part_manifest(part: PartManifest, snapshot_id: str, prefix: str, where: str) -> None:
+    """A part manifest's own rules (SPEC §11): a readable version, written for this snapshot and
+    ``prefix``; each entry follows §10.1 and lies under the prefix, other than the part manifest."""
     check_readable(part.format_version, [], where)
-    if part.snapshot_id != snapshot_id or part.prefix != listed.prefix:
+    if part.snapshot_id != snapshot_id or part.prefix != prefix:
         raise CorruptSnapshotError(
             f"{where}: written for snapshot {part.snapshot_id!r} prefix {part.prefix!r} (expected {snapshot_id!r} "
-            f"prefix {listed.prefix!r})")
-    own = f"{listed.prefix}/{layout.PART_MANIFEST_NAME}"
+            f"prefix {prefix!r})")
+    own = f"{prefix}/{layout.PART_MANIFEST_NAME}"
+    for i, f in enumerate(part.files):
+        check_entry(f, f"{where}: files[{i}]")
+        if not f.path.startswith(prefix + "/") or f.path == own:
+            raise InvalidPathError(f"{where}: files[{i}].path {f.path!r} (expected a file under {prefix!r} other "
+                                   f"than {layout.PART_MANIFEST_NAME})")
+
+
+def check_listed_part(part: PartManifest, listed: ListedPart, snapshot_id: str, where: str) -> list[FileEntry]:
+    """A listed part's part manifest against the manifest's account of it (SPEC §10.4): the rules of
+    every part manifest (:func:`check_part_manifest`); each entry listed once, of kind ``gym_file``,
+    naming no shared object; as many files and bytes as ``listed`` says."""
+    check_part_manifest(part, snapshot_id, listed.prefix, where)
     seen: set[str] = set()
     total = 0
     for i, f in enumerate(part.files):
         at = f"{where}: files[{i}]"
-        check_entry(f, at)
-        if not f.path.startswith(listed.prefix + "/") or f.path == own:
-            raise CorruptSnapshotError(f"{at}.path {f.path!r} (expected a file under {listed.prefix!r} other than "
-                                       f"{layout.PART_MANIFEST_NAME})")
         if f.kind != GYM_FILE_KIND or f.object is not None:
             raise CorruptSnapshotError(
                 f"{at}: kind {f.kind!r}{' naming object ' + f.object if f.object else ''} (expected {GYM_FILE_KIND!r} "
