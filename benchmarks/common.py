@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from snapformat.mounts import mount_of
+
 Log = Callable[[str], None]
 
 KIB = 1 << 10
@@ -346,6 +348,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def x(r: float | None, digits: int = 2) -> str:
     return "-" if r is None else f"{r:.{digits}f}x"
+
+
+def filesystem(path: Path) -> str:
+    """``<device> (<fstype>, mounted on <mount point>)`` of the mount holding ``path``."""
+    mount = mount_of(path)
+    if mount is None:
+        return "unknown (unknown, mounted on ?)"
+    return f"{mount.device} ({mount.fs_type}, mounted on {mount.mount_point})"
 
 
 def load_average() -> list[float]:

@@ -139,7 +139,7 @@ def _scale_section(opts: argparse.Namespace, say: Callable[[str], None]) -> tupl
     from benchmarks import scale_bench
 
     result = scale_bench.run(scale_bench.QUICK_POINTS if opts.quick else scale_bench.FULL_POINTS, opts.quick,
-                             log=say, workdir=opts.scratch)
+                             log=say, workdir=opts.scratch, staging=scale_bench.ram_staging())
     return scale_bench.markdown(result, scale_bench.plot(result, opts.results)), result
 
 
@@ -189,27 +189,13 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _filesystem(path: Path) -> str:
-    """``<device> (<fstype>)`` of the mount holding ``path``."""
-    best = ("", "unknown", "unknown")
-    try:
-        target = str(path.resolve())
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                dev, mnt, fstype, *_ = line.split()
-                if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-                    best = (mnt, dev, fstype)
-    except OSError:
-        pass
-    return f"{best[1]} ({best[2]}, mounted on {best[0] or '?'})"
-
-
 def machine_info(scratch: Path) -> dict:
     import numpy
     import pyarrow
     import xxhash
 
     import snapformat
+    from benchmarks import common
 
     mem = _meminfo_total()
     return {
@@ -226,7 +212,7 @@ def machine_info(scratch: Path) -> dict:
         "numpy": numpy.__version__,
         "xxhash": xxhash.VERSION,
         "snapformat": snapformat.__version__,
-        "scratch_filesystem": _filesystem(scratch.parent if not scratch.exists() else scratch),
+        "scratch_filesystem": common.filesystem(scratch.parent if not scratch.exists() else scratch),
     }
 
 

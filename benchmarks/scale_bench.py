@@ -39,6 +39,13 @@ restore the slowest server of each component (the step waits for it). The snapsh
 folder (:class:`snapformat.SnapshotStore`). A failed pause or restore (a server process that dies)
 is reported, not counted; a restore is tried again on fresh servers (at most
 :data:`MAX_RESTORE_FAILURES` times).
+
+**The staging lever** (``--staging DIR``; ``benchmarks.run`` uses ``/dev/shm`` when it is RAM-backed,
+:func:`ram_staging`). Each repeat pauses twice, 1 s apart: into the draft as above, then with Gym's
+files staged in a folder under ``DIR`` (``ControllerConfig.gym_staging="always"``), which adoption
+copies into the draft after the resume. The bare-files baseline is measured in both places, on as
+many threads as Gym's writer uses there (``snapformat.gym_dir.writer_threads``). The restores take
+the last snapshot, a staged one.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from benchmarks import common
 from coordinator.checkpoint import gym_parts
 from coordinator.gym_actor import NemoGym
 from devtools.gym_multihost import HostSpec, ModelSpec, MultiHost, PairSpec, launch
@@ -68,7 +76,9 @@ from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, StepResult
 from refgym.agent_server import MAX_BATCH, MAX_OPEN_CALLS
 from schemas.topology import manifest_fingerprint
 from snapformat import SnapshotStore, layout, open_snapshot
+from snapformat.gym_dir import writer_threads
 from snapformat.kinds import GYM_FILE_KIND
+from snapformat.mounts import mount_of
 
 Log = Callable[[str], None]
 
@@ -264,16 +274,18 @@ def _part_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, fingerprint: str,
-                     ck: str) -> tuple[dict[str, float], dict[str, int], Any, Any]:
+async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, fingerprint: str, ck: str,
+                     staging: Path | None = None) -> tuple[dict[str, float], dict[str, int], Any, Any]:
     """One checkpoint of the running deployment through ``gym``, every step timed; returns the times,
-    the servers' counts, the published snapshot and Gym's parts."""
+    the servers' counts, the published snapshot and Gym's parts. ``staging``: Gym commits into a
+    staging folder there (``ControllerConfig.gym_staging`` ``"always"``), which adoption copies into
+    the draft and which is removed after publish (not timed); None: into the draft's ``gym/``."""
     laps = Laps()
     deadline = time.time() + DEADLINE_S
     prep = await gym.prepare_checkpoint(ck, deadline)
     laps.lap("prepare", slowest_of=prep)
     draft = store.begin()
-    cdir = gym_parts.save_dir(draft)
+    cdir = gym_parts.save_dir(draft, None if staging is None else str(staging), always_stage=staging is not None)
     laps.lap("begin")
     commit = await gym.commit_checkpoint(ck, deadline, cdir.path)
     laps.lap("commit", slowest_of=commit)
@@ -286,6 +298,7 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
     published = await asyncio.to_thread(draft.publish, receipts=parts.receipts, gym_commit=parts.gym_commit,
                                         topology_fingerprint=manifest_fingerprint(fingerprint))
     laps.lap("publish", total="until_published")
+    cdir.cleanup()
     times = laps.times
     counts = {
         "agent_servers": len(commit.of(AGENTS)),
@@ -332,6 +345,12 @@ async def restore_once(dep: Deployment, token: str, store: SnapshotStore, publis
     return times, counts
 
 
+def _pause_line(times: dict[str, float]) -> str:
+    return (f"{times['pause_total'] * 1e3:,.0f} ms (prepare {times['prepare'] * 1e3:,.0f}, commit "
+            f"{times['commit'] * 1e3:,.0f}, resume {times['resume'] * 1e3:,.0f}; then adopt "
+            f"{times['adopt'] * 1e3:,.0f}, publish {times['publish'] * 1e3:,.0f})")
+
+
 def gym_file_sizes(published: Any) -> dict[str, int]:
     """Each Gym file of a published snapshot (its path under ``gym/``) and its size; part manifests
     (ours, not Gym's) left out. The manifest lists Gym's parts by their part manifests (SPEC §10.4):
@@ -339,11 +358,11 @@ def gym_file_sizes(published: Any) -> dict[str, int]:
     return {f.path: f.size for f in open_snapshot(published.url).files(GYM_FILE_KIND)}
 
 
-def bare_files(root: Path, sizes: dict[str, int]) -> float:
+def bare_files(root: Path, sizes: dict[str, int], threads: int = FLOOR_THREADS) -> float:
     """The baseline of a commit's files: write ``sizes`` (relative path -> bytes) under the new folder
     ``root`` with plain ``os`` calls, as CONTROL §6 asks of every file (temp, write, fsync, rename, on
-    :data:`FLOOR_THREADS` threads; then each folder fsynced once), and return the seconds taken. The
-    folders are created first, not timed."""
+    ``threads`` threads; then each folder fsynced once), and return the seconds taken. The folders
+    are created first, not timed."""
     folders = sorted({(root / rel).parent for rel in sizes})
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
@@ -363,8 +382,12 @@ def bare_files(root: Path, sizes: dict[str, int]) -> float:
         os.replace(tmp, path)
 
     t = time.perf_counter()
-    with ThreadPoolExecutor(FLOOR_THREADS) as pool:
-        list(pool.map(one, sizes.items()))
+    if threads == 1:  # on the calling thread, as DurableFiles does: a pool of one hands off every file
+        for item in sizes.items():
+            one(item)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, sizes.items()))
     for folder in folders:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -380,10 +403,13 @@ def _total(step: StepResult, component: str, attr: str) -> int:
 
 async def measure_point(workdir: Path, token: str, token_file: Path, store_root: Path, servers: int, n: int,
                         repeats: int, tag: str, log: Log, budget_s: float | None = None,
-                        actor_pool: int | None = None) -> dict[str, Any]:
+                        actor_pool: int | None = None, staging: Path | None = None) -> dict[str, Any]:
     """One (servers, rollouts) point: one set-up (not timed), ``repeats`` checkpoints of the live
     rollouts (resumed in between, each running on for :data:`RUN_BETWEEN_S`), then every host
-    SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers."""
+    SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers.
+    ``staging`` (the staging lever): each repeat pauses twice, Gym committing into the draft, then
+    into a staging folder under ``staging``; both are reported, and the bare-files baseline is
+    measured in both places."""
     store = SnapshotStore(str(store_root))
     t_setup = time.perf_counter()
     dep = deploy(workdir, token_file, servers, tag)
@@ -396,6 +422,7 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
             f"{setup_s:.0f} s (not timed)")
         gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, connections=actor_pool)
         pauses: list[tuple[dict[str, float], dict[str, int]]] = []
+        staged: list[tuple[dict[str, float], dict[str, int]]] = []
         pause_failures: list[str] = []
         try:
             topology = await gym.discover_checkpoint_capabilities()  # once, before the pauses (as the controller)
@@ -409,18 +436,25 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                 try:
                     times, counts, published, parts = await pause_once(gym, store, store_root, topology.fingerprint,
                                                                        ck_try)
+                    ck = ck_try  # the checkpoint of the snapshot the restores take, as soon as it is published
+                    if staging is not None:
+                        await asyncio.sleep(RUN_BETWEEN_S)
+                        staged_times, staged_counts, published, parts = await pause_once(
+                            gym, store, store_root, topology.fingerprint, f"{ck_try}-staged", staging)
+                        ck = f"{ck_try}-staged"
                 except Exception as exc:  # the pauses measured so far still count
                     if not pauses:
                         raise
                     pause_failures.append(f"pause {rep + 1}: {type(exc).__name__}: {exc}"[:600])
                     log(f"S={servers} N={n:,} {pause_failures[-1]}; restoring the last published snapshot")
                     break
-                ck = ck_try
                 pauses.append((times, counts))
-                log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}: {times['pause_total'] * 1e3:,.0f} ms (prepare "
-                    f"{times['prepare'] * 1e3:,.0f}, commit {times['commit'] * 1e3:,.0f}, adopt "
-                    f"{times['adopt'] * 1e3:,.0f}, publish {times['publish'] * 1e3:,.0f}, resume "
-                    f"{times['resume'] * 1e3:,.0f}); parked {counts['agent_commit_parked']:,}/{n:,}")
+                log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}: {_pause_line(times)}; parked "
+                    f"{counts['agent_commit_parked']:,}/{n:,}")
+                if staging is not None:
+                    staged.append((staged_times, staged_counts))
+                    log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}, staged in {staging}: "
+                        f"{_pause_line(staged_times)}")
         finally:
             await gym.close()
     finally:
@@ -433,6 +467,16 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         shutil.rmtree(store_root.parent / f"bare-{tag}-{i}", ignore_errors=True)
     log(f"S={servers} N={n:,} baseline: {len(sizes):,} Gym files with bare os calls: "
         + ", ".join(f"{x * 1e3:,.0f}" for x in floors) + " ms")
+    staged_floors = []
+    if staging is not None:  # the same files in the staging folder's file system
+        for i in range(len(staged)):
+            folder = Path(tempfile.mkdtemp(prefix=f"bare-{tag}-", dir=staging))
+            try:
+                staged_floors.append(bare_files(folder, sizes, writer_threads(folder)))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        log(f"S={servers} N={n:,} baseline in {staging}: " + ", ".join(f"{x * 1e3:,.0f}" for x in staged_floors)
+            + " ms")
     restores: list[tuple[dict[str, float], dict[str, int]]] = []
     restart_s: list[float] = []
     failures: list[str] = []
@@ -472,9 +516,23 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         "bare_files_s": floors, "gym_files": len(sizes), "gym_file_bytes": sum(sizes.values()),
         "median_s": median,
         "median_bytes": statistics.median(c["snapshot_bytes"] for _, c in pauses),
-        "counts": pauses[-1][1] | restores[-1][1] | {"requested": n},
+        # the last pause's (the staged one's, with the staging lever: the snapshot the restores took)
+        "counts": (staged[-1][1] if staged else pauses[-1][1]) | restores[-1][1] | {"requested": n},
         "setup_s": round(setup_s, 1), "restart_s": [round(x, 1) for x in restart_s], "restore_failures": failures, "pause_failures": pause_failures,
+        "staged": None if staging is None else {
+            "root": str(staging), "filesystem": common.filesystem(staging),
+            "pauses": [{"times_s": t, "counts": c} for t, c in staged],
+            "median_s": {k: statistics.median(t[k] for t, _ in staged) for k in staged[0][0]}
+            | {"bare_files": statistics.median(staged_floors)}},
     }
+
+
+def ram_staging() -> Path | None:
+    """The staging lever's folder: ``/dev/shm`` when it is a writable RAM-backed (tmpfs) mount, else
+    None (the lever is then not measured)."""
+    shm = Path("/dev/shm")
+    mount = mount_of(shm)
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) and mount is not None and mount.in_memory else None
 
 
 def _budget(budget_s: float | None) -> Callable[[float], bool]:
@@ -484,9 +542,13 @@ def _budget(budget_s: float | None) -> Callable[[float], bool]:
 
 
 def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, log: Log | None = None,
-        workdir: Path | None = None, repeats: int | None = None, actor_pool: int | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, repeats: int | None = None, actor_pool: int | None = None,
+        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S) -> dict[str, Any]:
     """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``).
-    ``actor_pool``: the NemoGym actor's HTTP pool size (default: sized to the servers)."""
+    ``actor_pool``: the NemoGym actor's HTTP pool size (default: sized to the servers). ``staging``:
+    also pause with Gym's files staged there (see :func:`measure_point`; :func:`ram_staging` is the
+    RAM-backed default). ``budget_s``: a point of :data:`LARGE_N` rollouts or more stops repeating
+    once its pauses used half of it (its restores, all of it)."""
     if not points or any(s < 1 or n < s for s, n in points):
         raise ValueError(f"points: {points!r} (expected (servers >= 1, rollouts >= servers))")
     log = log or _say
@@ -503,11 +565,11 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
     try:
         for servers, n in points:
             reps = repeats if repeats is not None else repeats_for(n, quick)
-            budget = LARGE_BUDGET_S if n >= LARGE_N and not quick else None
+            budget = budget_s if n >= LARGE_N and not quick else None
             try:
                 per_point.append(asyncio.run(measure_point(tmp / "hosts", token, token_file,
                                                            tmp / f"store-{servers}-{n}", servers, n, reps,
-                                                           f"s{servers}n{n}", log, budget, actor_pool)))
+                                                           f"s{servers}n{n}", log, budget, actor_pool, staging)))
             except Exception as exc:  # noqa: BLE001 - reported; the other points still count
                 # What the host processes said (a host that died leaves its traceback there).
                 said = [f"{log_path.name}: {' | '.join(tail)}" for log_path in sorted((tmp / "hosts").glob("*.log"))
@@ -526,6 +588,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
     return {
         "points": [list(p) for p in points], "quick": quick, "turns": TURNS, "model_slow_ms": MODEL_SLOW_MS,
         "agent_open_calls": MAX_OPEN_CALLS, "max_hosts": MAX_HOSTS, "run_between_s": RUN_BETWEEN_S,
+        "staging": None if staging is None else str(staging),
         "phases": [{"key": k, "label": label, "includes": what} for k, label, what in PHASES],
         "per_point": per_point, "failed": failed,
         "machine": {"cores": os.cpu_count(), "load_average_start": load_start,
@@ -564,6 +627,67 @@ def verdicts(result: dict[str, Any]) -> list[str]:
                        f"({p['gym_file_bytes'] / 1e6:.1f} MB) written with bare os calls ({m['bare_files']:.2f} s); "
                        f"the pause is {m['pause_total'] / m['bare_files']:.2f}x them.")
     return out
+
+
+#: The rows of the staging lever's table (keys of PHASES), in order.
+STAGED_ROWS = ("prepare", "commit", "commit_agent", "commit_model", "commit_resource", "resume", "pause_total",
+               "adopt", "publish", "until_published", "bare_files")
+
+
+def staged_lines(result: dict[str, Any]) -> list[str]:
+    """The staging lever's section: each point's pause with Gym's files committed into the draft
+    against the same repeats' pause with them staged (``ControllerConfig.gym_staging`` ``"always"``);
+    empty when the run did not measure it."""
+    pts = sorted((p for p in result["per_point"] if p.get("staged")), key=lambda p: (p["n"], p["servers"]))
+    if not pts:
+        return []
+    labels = {k: label for k, label, _ in PHASES}
+    where = pts[0]["staged"]
+    lines = [
+        "## Lever: Gym's files staged in RAM (`ControllerConfig.gym_staging`)",
+        "",
+        f"Each repeat paused twice, 1 s apart, on the same live rollouts: Gym committing into the draft's `gym/` "
+        f"folder on the store's disk (the default for a local store), then into a staging folder under "
+        f"`{where['root']}` (device and file system: {where['filesystem']}), which adoption copies into the draft after the resume "
+        f"(`gym_staging=\"always\"`). Gym writes and fsyncs every file either way (CONTROL §6); in RAM the "
+        f"fsync costs nothing, and the store's own writes (fsynced) make the copy durable before publish. "
+        f"The baseline rows write the same files with bare os calls in each place, on as many threads as "
+        f"Gym's writer uses there (`snapformat.gym_dir.writer_threads`: {FLOOR_THREADS} on disk, one in RAM, "
+        f"where an fsync writes nothing and more threads only contend). Medians (ms) of the same repeats.",
+        "",
+        "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: draft | staged" for p in pts) + " |",
+        "|---|" + "---:|---:|" * len(pts),
+    ]
+    for key in STAGED_ROWS:
+        label = labels[key].strip()
+        bold = "**" if key.endswith("_total") else ""
+        cells = " | ".join(f"{_ms(p['median_s'].get(key))} | {_ms(p['staged']['median_s'].get(key))}" for p in pts)
+        lines.append(f"| {bold}{'↳ ' if labels[key].startswith('  ') else ''}{label}{bold} | {cells} |")
+    lines.append("")
+    for p in pts:
+        d, st = p["median_s"], p["staged"]["median_s"]
+        target = TARGETS.get((p["servers"], p["n"]))
+        verdict = "" if target is None else (f" Against the target of <= {target:g} s: "
+                                             f"**{'met' if st['pause_total'] <= target else 'NOT met'}**.")
+        ratio = d["restore_total"] / st["pause_total"]  # the restores took the last, staged, snapshot
+        lines.append(f"- ({p['servers']}, {p['n']:,}): staged, the pause is {st['pause_total']:.2f} s = "
+                     f"{st['pause_total'] / d['pause_total']:.2f}x the pause into the draft ({d['pause_total']:.2f} s); "
+                     f"the commit {st['commit']:.2f} s = {st['commit'] / st['bare_files']:.2f}x the same files "
+                     f"with bare os calls there ({st['bare_files']:.2f} s).{verdict} The restore "
+                     f"({d['restore_total']:.2f} s) is {ratio:.2f}x this pause, against <= {RESTORE_TARGET_RATIO:g}x: "
+                     f"**{'met' if ratio <= RESTORE_TARGET_RATIO else 'NOT met'}**.")
+    return lines + [""]
+
+
+def _counts_note(pts: list[dict[str, Any]]) -> str:
+    """Which pause the table's commit columns come from."""
+    staged = [p["staged"] for p in pts if p.get("staged")]
+    if staged and not all(isinstance(st["pauses"][0], dict) and "counts" in st["pauses"][0] for st in staged):
+        # runs before the staged pauses kept their counts
+        return ("The commit columns are the last pause into the draft's; the restore columns are the restores of "
+                "the staged snapshot published 1 s of rollouts later, so the model's calls differ.")
+    return ("The commit columns are the last pause's (the staged one, with the staging lever); the restore columns "
+            "are the restores of the snapshot that pause published.")
 
 
 def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
@@ -614,7 +738,8 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
         cells = " | ".join(_ms(p["median_s"].get(key)) for p in pts)
         shown = f"↳ {label.strip()}" if label.startswith("  ") else label
         lines.append(f"| {bold}{shown}{bold} | {cells} |")
-    lines += ["", "## What the servers reported (last repeat of each point)", "",
+    lines += ["", *staged_lines(r), "## What the servers reported (last repeat of each point)", "",
+              _counts_note(pts), "",
               "| servers | rollouts | parked at prepare | sessions exported | agent commit records | model commit "
               "rollouts / calls | resources commit sessions | agent restore continuations | model restore calls | "
               "resources restore sessions | snapshot MB |",
@@ -639,8 +764,6 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
 
 def plot(result: dict[str, Any], results: Path) -> list[Path]:
     """``scale_pause.png``: pause and restore (and the largest steps) against parked rollouts."""
-    from benchmarks import common
-
     pts = sorted(result["per_point"], key=lambda p: (p["n"], p["servers"]))
     if len(pts) < 2:
         return []
@@ -649,6 +772,9 @@ def plot(result: dict[str, Any], results: Path) -> list[Path]:
         ("pause_total", "total pause", "o-"), ("restore_total", "total restore", "s--"),
         ("prepare", "prepare", "^:"), ("commit", "commit", "v:"), ("adopt", "adopt (after the resume)", "d:"),
         ("bare_files", "baseline: Gym's files, bare os calls", "x-."))]
+    if any(p.get("staged") for p in pts):
+        series.insert(1, ("total pause, Gym's files staged in RAM", xs,
+                          [p["staged"]["median_s"]["pause_total"] if p.get("staged") else None for p in pts], "o--"))
     labels = [f"{p['n']:,} / {p['servers']} srv" for p in pts]
     path = common.plot(results / common.png_name("scale_pause", result["quick"]),
                        "Pause and restore vs parked rollouts (agent servers under each)",
@@ -696,6 +822,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result JSON here")
     p.add_argument("--actor-pool", type=int, help="lever check: the NemoGym actor's HTTP pool of this many "
                    "connections (the size before issue 22 was 32, whatever the servers)")
+    p.add_argument("--staging", type=Path, help="the staging lever: each repeat also pauses with Gym's files "
+                   "staged in a folder under this directory (ControllerConfig.gym_staging 'always'; /dev/shm is RAM)")
+    p.add_argument("--budget-s", type=float, default=LARGE_BUDGET_S, help=f"a point of {LARGE_N:,} rollouts or "
+                   "more stops repeating once its pauses used half of this many seconds (default %(default)s)")
     p.add_argument("--render", type=Path, help="print the report of a saved result JSON (run.py's or a partial one)")
     p.add_argument("--agent-wave", type=int, metavar="ROLLOUTS", help="lever 1's measurement: one agent in-process "
                    "(see agent_wave), print its JSON and exit")
@@ -708,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(data.get("result", data)))
         return 0
     points = tuple(tuple(x) for x in opts.point) if opts.point else (QUICK_POINTS if opts.quick else FULL_POINTS)
-    result = run(points, opts.quick, repeats=opts.repeats, actor_pool=opts.actor_pool)  # type: ignore[arg-type]
+    result = run(points, opts.quick, repeats=opts.repeats, actor_pool=opts.actor_pool,  # type: ignore[arg-type]
+                 staging=opts.staging, budget_s=opts.budget_s)
     if opts.json:
         opts.json.write_bytes(msgspec.json.encode(result))
     print(markdown(result))

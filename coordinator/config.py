@@ -119,6 +119,16 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     writes every row as new segments). Gym's parts and the controller's records are written whole
     either way. False: one file per row kind, every row written by every save (snapshots that do
     not need the ``shared_objects`` feature, so readers without it read them).
+
+    ``gym_staging``: where Gym's participants write their commit (the ``checkpoint_dir``).
+    ``"remote_store"`` (default): into the draft's own ``gym/`` folder when the store is local disk,
+    so adoption hashes the files where they lie; into the controller's ``staging_dir`` for any other
+    store. ``"always"``: into ``staging_dir`` whatever the store. Put ``staging_dir`` on a RAM-backed
+    file system (``/dev/shm``) and the pause no longer waits for the disk: Gym writes and fsyncs every
+    file (CONTROL.md §6), but a staged file is scratch. Its durability is the store's, given when
+    adoption copies it into the draft (each file fsynced there) after the resume, and a crash before
+    publish loses only a snapshot that was never published. The cost is memory: Gym's files of one
+    snapshot (75-136 MB at 10,000 parked rollouts in the scale benchmark) until adoption has copied them.
     """
 
     rollout_checkpointing: RolloutCheckpointing = msgspec.field(default_factory=RolloutCheckpointing)
@@ -135,6 +145,7 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     data_plane_timeout_s: Positive = 300.0  # a TransferQueue call that takes longer fails the step (dead storage)
     capture_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 << 30
     incremental: bool = True
+    gym_staging: Literal["remote_store", "always"] = "remote_store"
 
     def __post_init__(self) -> None:
         _check_fields(self)

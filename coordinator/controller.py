@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from coordinator.bookkeeping import Bookkeeping
-from coordinator.checkpoint import Checkpointer, RestoreReport, SaveReport, Seams
+from coordinator.checkpoint import Checkpointer, RestoreReport, SaveReport, Seams, gym_parts
 from coordinator.config import ControllerConfig
 from coordinator.dataplane import DataPlane
 from coordinator.errors import GymCallError
@@ -97,13 +97,17 @@ class SingleController:
     """Drives one run of ``workload`` through Gym, saving to the snapshot store at ``store_url``.
 
     ``data_plane`` is ``"tq"`` or ``"memory"`` (:func:`make_data_plane`), or a data plane to use as is.
-    ``staging_dir``: where Gym's files are staged when the store is not local disk (default: the
-    system's temporary folder)."""
+    ``staging_dir``: where Gym's files are staged when the store is not local disk, or always with
+    ``config.gym_staging="always"`` (default: the system's temporary folder)."""
 
     def __init__(self, config: ControllerConfig, store_url: str, gym_actor: Any, workload: Workload, *,
                  data_plane: str | DataPlane = "tq", crash_plan: CrashPlan | None = None,
                  staging_dir: str | None = None) -> None:
         config.check_supported()
+        if config.gym_staging == "always" and not gym_parts.staged_in_memory(staging_dir):
+            log.warning("gym_staging='always' stages Gym's files in %s, which is not memory-backed: the pause "
+                        "still waits for its disk, and adoption copies every file again",
+                        gym_parts.staging_base(staging_dir))
         self.config = config
         self.gym = GymHandle(gym_actor)
         self.workload = workload

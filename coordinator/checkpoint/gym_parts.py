@@ -7,7 +7,8 @@ parts of the draft:
 
 * **save, local store**: ``checkpoint_dir`` is the draft's own ``gym/`` folder, so every file is
   already at its final place; adoption hashes it in place and writes the part manifest.
-* **save, any other store (S3)**: ``checkpoint_dir`` is a local staging folder
+* **save, any other store (S3)**, or any store when the controller stages always
+  (``ControllerConfig.gym_staging``): ``checkpoint_dir`` is a local staging folder
   (``<staging>/<snapshot_id>/gym``); adoption uploads each participant's folder into the draft.
   The staging folder is removed once the draft holds the parts (or the save is abandoned).
 * **restore**: a local snapshot's ``gym/`` folder is handed as it is; from S3 the Gym parts are
@@ -37,6 +38,7 @@ from schemas.manifest import GymCommit, ParticipantCommit, PartReceipt
 from snapformat import layout
 from snapformat.adopt import adopt_part, check_part, materialize_part
 from snapformat.draft import SnapshotDraft
+from snapformat.mounts import mount_of
 from snapformat.reader import Snapshot
 
 if TYPE_CHECKING:
@@ -65,8 +67,23 @@ class CheckpointDir:
             shutil.rmtree(Path(self.path).parent, ignore_errors=True)
 
 
+def staging_base(root: str | None) -> Path:
+    """The folder staging folders are made in: ``root``, else the system's temporary folder's
+    ``gym-checkpoint-staging``."""
+    return Path(root) if root else Path(tempfile.gettempdir()) / "gym-checkpoint-staging"
+
+
+def staged_in_memory(root: str | None) -> bool:
+    """Whether staging under ``root`` keeps Gym's files in memory (a tmpfs or ramfs mount), where
+    their fsyncs cost nothing; ``ControllerConfig.gym_staging="always"`` gains nothing otherwise."""
+    base = staging_base(root)
+    folder = next((p for p in (base, *base.parents) if p.exists()), base)  # the mount of what will hold it
+    mount = mount_of(folder)
+    return mount is not None and mount.in_memory
+
+
 def _staging(root: str | None, name: str) -> Path:
-    base = Path(root) if root else Path(tempfile.gettempdir()) / "gym-checkpoint-staging"
+    base = staging_base(root)
     base.mkdir(parents=True, exist_ok=True)
     _sweep(base)
     folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
@@ -85,10 +102,12 @@ def _sweep(base: Path) -> None:
             pass
 
 
-def save_dir(draft: SnapshotDraft, staging_root: str | None = None) -> CheckpointDir:
+def save_dir(draft: SnapshotDraft, staging_root: str | None = None, *, always_stage: bool = False) -> CheckpointDir:
     """The ``checkpoint_dir`` of a save: the draft's ``gym/`` folder on a local store, else a
-    staging folder."""
-    local = draft.store.local_path(layout.file_key(draft.snapshot_id, GYM_FOLDER))
+    staging folder under ``staging_root``. ``always_stage``: a staging folder whatever the store
+    (``ControllerConfig.gym_staging`` ``"always"``: a RAM-backed ``staging_root`` keeps the disk out
+    of the pause)."""
+    local = None if always_stage else draft.store.local_path(layout.file_key(draft.snapshot_id, GYM_FOLDER))
     if local is not None:
         Path(local).mkdir(parents=True, exist_ok=True)
         return CheckpointDir(path=local, staging=False)

@@ -148,7 +148,7 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str,
         cid = progress.timed("prepare", lambda: _prepare(seams, progress, flush_again))
         seams.steps.reached("save.prepared")
         draft = seams.store.begin()
-        checkpoint_dir = gym_parts.save_dir(draft, seams.staging_dir)
+        checkpoint_dir = gym_parts.save_dir(draft, seams.staging_dir, always_stage=cfg.gym_staging == "always")
         commit = progress.timed("gym_commit", lambda: seams.gym.commit_checkpoint(
             cid, time.time() + cfg.commit_timeout_s, checkpoint_dir.path))
         seams.steps.reached("save.gym_committed")

@@ -65,4 +65,4 @@ class Seams:
     steps: Steps
     store_and_acknowledge: Callable[[], object]
     acknowledge: Callable[[Bookkeeping], object]
-    staging_dir: str | None = None  # where Gym's files are staged for a store that is not local disk
+    staging_dir: str | None = None  # where Gym's files are staged (ControllerConfig.gym_staging)

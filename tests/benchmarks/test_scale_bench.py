@@ -1,11 +1,13 @@
 """A tiny run of the scale benchmark (issue 22 §2): 2 agent servers hosted in one process with their
-resources servers, a model in another, 40 rollouts, one pause and one restore. Asserts what the
-servers did (every rollout parked, committed, restored; the counts agree; the report and plot are
-written), never how fast."""
+resources servers, a model in another, 40 rollouts, one pause into the draft and one staged (the
+staging lever), and one restore. Asserts what the servers did (every rollout parked, committed,
+restored; the counts agree; the report and plot are written), never how fast."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from benchmarks import run, scale_bench
 
@@ -13,7 +15,9 @@ POINT = (2, 40)
 
 
 def test_scale_bench_tiny_run(tmp_path: Path) -> None:
-    res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch")
+    staging = tmp_path / "staging"
+    res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch",
+                          staging=staging)
 
     assert res["failed"] == [] and len(res["per_point"]) == 1
     p = res["per_point"][0]
@@ -39,16 +43,25 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     assert p["gym_files"] == 4 * servers + (n + servers) + (n + 2) and len(p["bare_files_s"]) == 1, p
     assert p["gym_file_bytes"] > 0
 
+    st = p["staged"]  # the same repeat paused again with Gym's files staged, then copied into the draft
+    assert st["root"] == str(staging) and len(st["pauses"]) == 1
+    assert st["pauses"][0]["counts"]["agent_commit_parked"] == n == p["pauses"][0]["counts"]["agent_commit_parked"]
+    assert set(scale_bench.STAGED_ROWS) <= set(st["median_s"]) and all(st["median_s"][k] > 0
+                                                                       for k in scale_bench.STAGED_ROWS), st
+    assert not any(staging.iterdir())  # each staging folder removed after its publish, the baseline's too
+
     md = scale_bench.markdown(res, scale_bench.plot(res, tmp_path / "results"))
     assert md.startswith("# Scale benchmark") and "| step | 2 srv, 40 (ms) |" in md
     for _, label, _ in scale_bench.PHASES:
         assert label.strip() in md, label
+    assert "## Lever: Gym's files staged in RAM" in md and "| 2 srv, 40: draft | staged |" in md
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up
 
 
-def test_the_bare_files_baseline_writes_the_sizes_it_is_given(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, scale_bench.FLOOR_THREADS])
+def test_the_bare_files_baseline_writes_the_sizes_it_is_given(tmp_path: Path, threads: int) -> None:
     sizes = {"gym/agent/instance-x/a.tar": 10_000, "gym/resources/t/s.a0.json": 0, "gym/resources/t/manifest.json": 7}
-    assert scale_bench.bare_files(tmp_path / "bare", sizes) > 0
+    assert scale_bench.bare_files(tmp_path / "bare", sizes, threads) > 0
     written = {p.relative_to(tmp_path / "bare").as_posix(): p.stat().st_size
                for p in (tmp_path / "bare").rglob("*") if p.is_file()}
     assert written == sizes  # every file at its size under its name, no temporary file left

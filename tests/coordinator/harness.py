@@ -33,7 +33,8 @@ class InRayJob:
                  workload: Workload = WORKLOAD, crash_at: str | None = None, occurrence: int = 1,
                  kill_gym: bool = True, kill_self: bool = True, data_plane: str = "memory",
                  test_faults: bool = False, actor_options: dict[str, Any] | None = None,
-                 gym_options: dict[str, Any] | None = None, model_slow_ms: int = MODEL_SLOW_MS) -> None:
+                 gym_options: dict[str, Any] | None = None, model_slow_ms: int = MODEL_SLOW_MS,
+                 staging_dir: str | None = None) -> None:
         self.gym: Gym = fleet.gym(model_slow_ms=model_slow_ms, test_faults=test_faults, **(gym_options or {}))
         plan = None
         if crash_at is not None:
@@ -41,7 +42,7 @@ class InRayJob:
                              kill_pids=[p.pid for p in self.gym.servers.all] if kill_gym else [])
         self.actor = gym_actor.remote({p.name: p.url for p in self.gym.servers.all}, fleet.token)
         self.ctl = controller_mod.remote(config, store_url, self.actor, workload, data_plane=data_plane,
-                                         crash_plan=plan, options=actor_options)
+                                         crash_plan=plan, options=actor_options, staging_dir=staging_dir)
 
     def setup(self) -> Any:
         return ray.get(self.ctl.setup.remote())

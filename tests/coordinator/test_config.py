@@ -91,6 +91,8 @@ def test_values_are_checked_when_decoded_and_when_built(doc: dict, match: str) -
 def test_our_keys_are_checked_too() -> None:
     with pytest.raises(ValueError, match="write_mode"):
         ControllerConfig(write_mode="later")
+    with pytest.raises(ValueError, match="gym_staging"):
+        ControllerConfig(gym_staging="never")
     with pytest.raises(ValueError, match="commit_timeout_s"):
         ControllerConfig(commit_timeout_s=0)
     with pytest.raises(msgspec.ValidationError):

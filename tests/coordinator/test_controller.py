@@ -324,6 +324,41 @@ def test_on_an_object_store_saves_and_restores_with_no_local_path(seaweed, aws_e
         fleet.close()
 
 
+def test_gym_files_staged_outside_a_local_store_survive_a_crash_and_restore(fleet, tmp_path: Path,
+                                                                          reference_rows) -> None:
+    """``gym_staging="always"`` on a local store: Gym commits into the staging folder (a RAM-backed
+    one in production) and adoption copies the files into the draft after the resume. A crash after
+    Gym's commit and before publish leaves only that save's staging folder, which no snapshot names;
+    the restored run ends like an uninterrupted one, and every finished save removed its folder."""
+    store = SnapshotStore(str(tmp_path / "store"))
+    staging = tmp_path / "staging"
+    config = msgspec.structs.replace(CONFIG, gym_staging="always")
+    first = InRayJob(fleet, store.url, staging_dir=str(staging), crash_at="save.gym_committed", occurrence=3,
+                     config=config.with_rollout_checkpointing(snapshot_attempt_interval_s=0.05))
+    assert first.setup() is None
+    with pytest.raises(ray.exceptions.RayActorError):
+        first.run()
+    first.kill()
+    published = {c.snapshot_id for c in store.list()}
+    assert published  # the saves before the crash published
+    (left,) = staging.iterdir()  # the crashed save's folder only: the others were removed after adoption
+    assert not any(left.name.startswith(f"{sid}-") for sid in published)
+    assert (left / "gym" / "model-ledger" / "policy0" / "manifest.json").is_file()  # Gym had committed
+    newest = store.latest()
+    for part in newest.manifest.gym_commit.participants:  # Gym's files are in the store, not in staging
+        if part.part_prefix is not None:
+            assert Path(newest.url, part.part_prefix, "manifest.json").is_file()
+    job = InRayJob(fleet, store.url, config=config, staging_dir=str(staging))
+    restored = job.setup()
+    assert restored.sequence == newest.sequence
+    outcome = job.run()
+    assert outcome.done and any(s.published for s in outcome.saves)
+    check_finished(job, reference_rows)
+    check_store(store)
+    assert list(staging.iterdir()) == [left]
+    job.kill()
+
+
 def test_a_store_that_stalls_aborts_saves_and_the_run_goes_on(seaweed, new_bucket, monkeypatch, tmp_path: Path,
                                                                reference_rows) -> None:
     """SeaweedFS behind a proxy that accepts connections and then never answers: every process of the

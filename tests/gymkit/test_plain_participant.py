@@ -42,8 +42,10 @@ def run(coro, timeout: float = 90):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-@pytest.mark.parametrize("where", ["local", "seaweedfs"])
+@pytest.mark.parametrize("where", ["local", "local-staged", "seaweedfs"])
 def test_save_and_restore_through_the_nemo_gym_actor(where: str, request, tmp_path: Path, capsys) -> None:
+    """``local-staged``: a local store with Gym's files staged elsewhere (``gym_staging="always"``),
+    so adoption copies them into the draft."""
     if where == "seaweedfs":
         seaweed = request.getfixturevalue("seaweed")
         request.getfixturevalue("aws_env")(seaweed)
@@ -57,8 +59,8 @@ def test_save_and_restore_through_the_nemo_gym_actor(where: str, request, tmp_pa
     gym = flow.start_gym(tmp_path / "gym-1", "127.0.0.1", "save")
     try:
         draft = store.begin()
-        cdir = gym_parts.save_dir(draft, staging_root=str(staging))
-        assert cdir.staging == (where == "seaweedfs")
+        cdir = gym_parts.save_dir(draft, staging_root=str(staging), always_stage=where == "local-staged")
+        assert cdir.staging == (where != "local")
         saved = run(flow.save(gym, Path(cdir.path), "ckpt-1"))
     finally:
         gym.kill()  # the processes that wrote the files are gone before anything is published
