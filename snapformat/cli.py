@@ -26,7 +26,7 @@ from snapformat import layout
 from snapformat.gym_dir import gym_part_summary
 from snapformat.kinds import ALIASES, GYM_FILE_KIND, storage_of
 from snapformat.progress import Progress
-from snapformat.reader import Snapshot, load_manifest, open_sequence, open_snapshot, resolve_kind
+from snapformat.reader import Snapshot, enclosing_prefix, load_manifest, open_sequence, open_snapshot, resolve_kind
 from snapformat.retention import DEFAULT_DRAFT_MIN_AGE_S
 from snapformat.snapshot_store import SnapshotStore, stores_under
 from snapformat.token_rows import iter_entries
@@ -191,9 +191,12 @@ def _gym_parts(snap: Snapshot, files: list[FileEntry]) -> list[dict[str, Any]]:
     every file of the snapshot (``snap.files()``, listed parts' included)."""
     suffix = "/" + layout.PART_MANIFEST_NAME
     prefixes = [f.path[: -len(suffix)] for f in snap.manifest.files if f.kind == "part_manifest"]
-    gym = {f.path for f in files if f.kind == GYM_FILE_KIND}
-    return [gym_part_summary(prefix, files) for prefix in prefixes
-            if any(path.startswith(prefix + "/") for path in gym)]
+    by_part: dict[str, list[FileEntry]] = {p: [] for p in prefixes}  # one pass, not one per part
+    for f in files:
+        if (prefix := enclosing_prefix(f.path, by_part)) is not None:
+            by_part[prefix].append(f)
+    return [gym_part_summary(prefix, entries) for prefix, entries in by_part.items()
+            if any(f.kind == GYM_FILE_KIND for f in entries)]
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -84,7 +84,7 @@ def check_listed_parts(manifest: Manifest, where: str) -> None:
             raise CorruptSnapshotError(f"{where}: listed_parts[{i}].prefix {part.prefix!r} is listed twice")
         prefixes.add(part.prefix)
     for i, part in enumerate(manifest.listed_parts):
-        outer = _listed_ancestor(part.prefix, prefixes)
+        outer = enclosing_prefix(part.prefix, prefixes)
         if outer is not None:
             raise CorruptSnapshotError(
                 f"{where}: listed_parts[{i}].prefix {part.prefix!r} lies under the listed part {outer!r}")
@@ -97,7 +97,7 @@ def check_listed_parts(manifest: Manifest, where: str) -> None:
                     f"(expected 'part_manifest')")
             part_manifests.discard(f.path)
             continue
-        outer = _listed_ancestor(f.path, prefixes)
+        outer = enclosing_prefix(f.path, prefixes)
         if outer is not None:
             raise CorruptSnapshotError(
                 f"{where}: files[{i}] {f.path!r} lies under the listed part {outer!r}, whose files only its part "
@@ -107,8 +107,9 @@ def check_listed_parts(manifest: Manifest, where: str) -> None:
             f"{where}: listed_parts name {min(part_manifests)!r}, which files does not list")
 
 
-def _listed_ancestor(path: str, prefixes: Container[str]) -> str | None:
-    """The listed prefix ``path`` lies under (not ``path`` itself), if any."""
+def enclosing_prefix(path: str, prefixes: Container[str]) -> str | None:
+    """The nearest of ``prefixes`` that ``path`` lies under (not ``path`` itself), if any; one set
+    lookup per level of the path."""
     cut = path.rfind("/")
     while cut > 0:
         if path[:cut] in prefixes:
@@ -242,7 +243,7 @@ class Snapshot:
         for f in self.manifest.files:
             if f.path == part:
                 return [f]
-        listed = _listed_ancestor(part, self._listed)
+        listed = enclosing_prefix(part, self._listed)
         if listed is not None:
             found = [f for f in self.part_files(listed) if f.path == part]
             if found:
