@@ -104,6 +104,7 @@ TARGETS = {(10, 10_000): 1.0, (100, 100_000): 5.0}  # the issue's pause targets,
 RESTORE_TARGET_RATIO = 2.0  # restore <= 2x the pause
 MAX_RESTORE_FAILURES = 2  # restores that may fail (recorded in the report) before a point gives up
 FLOOR_THREADS = 8  # the bare-files baseline's writer threads (as snapformat.gym_dir.FSYNC_WORKERS)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat counts CPU time in these
 
 #: (key, label, what it includes), in table order. Keys are those of a cycle's ``times_s``.
 PHASES: list[tuple[str, str, str]] = [
@@ -245,20 +246,48 @@ async def start_rollouts(dep: Deployment, n: int, tag: str, http: httpx.AsyncCli
         await asyncio.sleep(0.5)
 
 
+def processes_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) the live processes ``pids`` have used so far, from
+    ``/proc/<pid>/stat``; a process that is gone counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / CLOCK_TICKS
+
+
 class Laps:
     """Step times of one pause or restore, each from the end of the step before: ``lap(key)`` records
     the step that just ended; ``slowest_of`` also records the slowest server of each component inside
     it (``<key>_model``, ``<key>_agent``, ``<key>_resource``); ``total`` also records the time since
-    the first step began."""
+    the first step began. ``servers_cpu`` (CPU seconds the servers used so far): each step's CPU
+    seconds go into :attr:`cpu`, the servers' as ``<key>_servers`` and the driver's (this process:
+    the actor's fan-out, and adoption and publish) as ``<key>_driver``."""
 
-    def __init__(self) -> None:
+    def __init__(self, servers_cpu: Callable[[], float] | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._servers_cpu = servers_cpu
         self._start = self._last = time.perf_counter()
+        self._cpu_start = self._cpu_last = self._cpu_now()
+
+    def _cpu_now(self) -> tuple[float, float]:
+        return (self._servers_cpu() if self._servers_cpu is not None else 0.0), time.process_time()
 
     def lap(self, key: str, *, slowest_of: StepResult | None = None, total: str | None = None) -> None:
         now = time.perf_counter()
         self.times[key] = now - self._last
         self._last = now
+        if self._servers_cpu is not None:
+            cpu = self._cpu_now()
+            for i, whose in enumerate(("servers", "driver")):
+                self.cpu[f"{key}_{whose}"] = cpu[i] - self._cpu_last[i]
+                if total is not None:
+                    self.cpu[f"{total}_{whose}"] = cpu[i] - self._cpu_start[i]
+            self._cpu_last = cpu
         if slowest_of is not None:
             for suffix, component in (("model", MODELS), ("agent", AGENTS), ("resource", RESOURCES)):
                 self.times[f"{key}_{suffix}"] = _slowest(slowest_of, component)
@@ -270,17 +299,24 @@ def _slowest(step: StepResult, component: str) -> float:
     return max((p.seconds for p in step.of(component)), default=0.0)
 
 
+def _median_cpu(pauses: list[dict[str, float]]) -> dict[str, float]:
+    """Each step's median CPU seconds over ``pauses`` (:attr:`Laps.cpu` of each)."""
+    return {k: statistics.median(c[k] for c in pauses) for k in pauses[0]} if pauses else {}
+
+
 def _part_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, fingerprint: str, ck: str,
-                     staging: Path | None = None) -> tuple[dict[str, float], dict[str, int], Any, Any]:
+                     staging: Path | None = None, servers_cpu: Callable[[], float] | None = None
+                     ) -> tuple[dict[str, float], dict[str, float], dict[str, int], Any, Any]:
     """One checkpoint of the running deployment through ``gym``, every step timed; returns the times,
-    the servers' counts, the published snapshot and Gym's parts. ``staging``: Gym commits into a
-    staging folder there (``ControllerConfig.gym_staging`` ``"always"``), which adoption copies into
-    the draft and which is removed after publish (not timed); None: into the draft's ``gym/``."""
-    laps = Laps()
+    the CPU seconds of each step (:class:`Laps`; empty without ``servers_cpu``), the servers' counts,
+    the published snapshot and Gym's parts. ``staging``: Gym commits into a staging folder there
+    (``ControllerConfig.gym_staging`` ``"always"``), which adoption copies into the draft and which is
+    removed after publish (not timed); None: into the draft's ``gym/``."""
+    laps = Laps(servers_cpu)
     deadline = time.time() + DEADLINE_S
     prep = await gym.prepare_checkpoint(ck, deadline)
     laps.lap("prepare", slowest_of=prep)
@@ -313,7 +349,7 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
         "resource_commit_sessions": _total(commit, RESOURCES, "sessions"),
         "snapshot_bytes": _part_bytes(store_root / layout.snapshot_dir(published.manifest.snapshot_id)),
     }
-    return times, counts, published, parts
+    return times, laps.cpu, counts, published, parts
 
 
 async def restore_once(dep: Deployment, token: str, store: SnapshotStore, published: Any, parts: Any,
@@ -423,6 +459,8 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, connections=actor_pool)
         pauses: list[tuple[dict[str, float], dict[str, int]]] = []
         staged: list[tuple[dict[str, float], dict[str, int]]] = []
+        cpu: dict[str, list[dict[str, float]]] = {"draft": [], "staged": []}  # CPU seconds of each pause's steps
+        host_pids = [h.pid for h in dep.hosts]
         pause_failures: list[str] = []
         try:
             topology = await gym.discover_checkpoint_capabilities()  # once, before the pauses (as the controller)
@@ -434,13 +472,15 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                     await asyncio.sleep(RUN_BETWEEN_S)  # the resumed rollouts run on: a live system is paused
                 ck_try = f"scale-{tag}-{rep}"
                 try:
-                    times, counts, published, parts = await pause_once(gym, store, store_root, topology.fingerprint,
-                                                                       ck_try)
+                    times, cpu_s, counts, published, parts = await pause_once(
+                        gym, store, store_root, topology.fingerprint, ck_try,
+                        servers_cpu=lambda: processes_cpu_s(host_pids))
                     ck = ck_try  # the checkpoint of the snapshot the restores take, as soon as it is published
                     if staging is not None:
                         await asyncio.sleep(RUN_BETWEEN_S)
-                        staged_times, staged_counts, published, parts = await pause_once(
-                            gym, store, store_root, topology.fingerprint, f"{ck_try}-staged", staging)
+                        staged_times, staged_cpu, staged_counts, published, parts = await pause_once(
+                            gym, store, store_root, topology.fingerprint, f"{ck_try}-staged", staging,
+                            servers_cpu=lambda: processes_cpu_s(host_pids))
                         ck = f"{ck_try}-staged"
                 except Exception as exc:  # the pauses measured so far still count
                     if not pauses:
@@ -449,12 +489,15 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                     log(f"S={servers} N={n:,} {pause_failures[-1]}; restoring the last published snapshot")
                     break
                 pauses.append((times, counts))
-                log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}: {_pause_line(times)}; parked "
-                    f"{counts['agent_commit_parked']:,}/{n:,}")
+                cpu["draft"].append(cpu_s)
+                log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}: {_pause_line(times)}; servers' CPU in the "
+                    f"pause {cpu_s['pause_total_servers']:.2f} s; parked {counts['agent_commit_parked']:,}/{n:,}")
                 if staging is not None:
                     staged.append((staged_times, staged_counts))
+                    cpu["staged"].append(staged_cpu)
                     log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}, staged in {staging}: "
-                        f"{_pause_line(staged_times)}")
+                        f"{_pause_line(staged_times)}; servers' CPU in the pause "
+                        f"{staged_cpu['pause_total_servers']:.2f} s")
         finally:
             await gym.close()
     finally:
@@ -511,7 +554,8 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
               for k, _, _ in PHASES if k != "bare_files"} | {"bare_files": statistics.median(floors)}
     return {
         "servers": servers, "n": n, "repeats": len(pauses), "restore_repeats": len(restores), "hosts": len(dep.hosts),
-        "pauses": [{"times_s": t, "counts": c} for t, c in pauses],
+        "pauses": [{"times_s": t, "counts": c, "cpu_s": u} for (t, c), u in zip(pauses, cpu["draft"], strict=True)],
+        "median_cpu_s": _median_cpu(cpu["draft"]),
         "restores": [{"times_s": t, "counts": c} for t, c in restores],
         "bare_files_s": floors, "gym_files": len(sizes), "gym_file_bytes": sum(sizes.values()),
         "median_s": median,
@@ -521,7 +565,8 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         "setup_s": round(setup_s, 1), "restart_s": [round(x, 1) for x in restart_s], "restore_failures": failures, "pause_failures": pause_failures,
         "staged": None if staging is None else {
             "root": str(staging), "filesystem": common.filesystem(staging),
-            "pauses": [{"times_s": t, "counts": c} for t, c in staged],
+            "pauses": [{"times_s": t, "counts": c, "cpu_s": u} for (t, c), u in zip(staged, cpu["staged"], strict=True)],
+            "median_cpu_s": _median_cpu(cpu["staged"]),
             "median_s": {k: statistics.median(t[k] for t, _ in staged) for k in staged[0][0]}
             | {"bare_files": statistics.median(staged_floors)}},
     }
@@ -679,6 +724,51 @@ def staged_lines(result: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+#: The steps of the CPU table, in order.
+CPU_ROWS = ("prepare", "commit", "resume", "pause_total")
+
+
+def cpu_lines(result: dict[str, Any]) -> list[str]:
+    """Where the pause's CPU goes: each step's median wall time against the CPU seconds the servers'
+    host processes and the driver used in it, and the cores that kept busy (CPU / wall, of the
+    machine's). The staged pauses when the run measured them, else the pauses into the draft;
+    empty for results from before the CPU was counted."""
+    pts = sorted((p for p in result["per_point"] if p.get("median_cpu_s")), key=lambda p: (p["n"], p["servers"]))
+    if not pts:
+        return []
+    cores = result["machine"]["cores"]
+    labels = {k: label for k, label, _ in PHASES}
+
+    def chosen(p: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+        st = p.get("staged")
+        return (st["median_s"], st["median_cpu_s"]) if st and st.get("median_cpu_s") else (p["median_s"], p["median_cpu_s"])
+
+    which = "staged" if any(p.get("staged") for p in pts) else "into the draft"
+    lines = [
+        "## Where the pause's CPU goes",
+        "",
+        f"Each step's median wall time against the CPU seconds (user + system, every thread, from "
+        f"`/proc/<pid>/stat`) that the servers' host processes and the driver (the actor's fan-out, in this "
+        f"process) used in it, medians of the same pauses ({which}). "
+        f"Busy cores = (servers + driver) CPU / wall, of the machine's {cores}: a step that keeps every core busy "
+        f"can only get shorter by doing less work, or by running on more cores.",
+        "",
+        "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: wall s | servers CPU s | driver CPU s | busy cores"
+                                for p in pts) + " |",
+        "|---|" + "---:|---:|---:|---:|" * len(pts),
+    ]
+    for key in CPU_ROWS:
+        cells = []
+        for p in pts:
+            wall, cpu = chosen(p)
+            servers, driver = cpu.get(f"{key}_servers", 0.0), cpu.get(f"{key}_driver", 0.0)
+            busy = (servers + driver) / wall[key] if wall.get(key) else 0.0
+            cells.append(f"{wall.get(key, 0.0):.2f} | {servers:.2f} | {driver:.2f} | {busy:.2f}")
+        bold = "**" if key.endswith("_total") else ""
+        lines.append(f"| {bold}{labels[key].strip()}{bold} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
 def _counts_note(pts: list[dict[str, Any]]) -> str:
     """Which pause the table's commit columns come from."""
     staged = [p["staged"] for p in pts if p.get("staged")]
@@ -738,7 +828,7 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
         cells = " | ".join(_ms(p["median_s"].get(key)) for p in pts)
         shown = f"↳ {label.strip()}" if label.startswith("  ") else label
         lines.append(f"| {bold}{shown}{bold} | {cells} |")
-    lines += ["", *staged_lines(r), "## What the servers reported (last repeat of each point)", "",
+    lines += ["", *staged_lines(r), *cpu_lines(r), "## What the servers reported (last repeat of each point)", "",
               _counts_note(pts), "",
               "| servers | rollouts | parked at prepare | sessions exported | agent commit records | model commit "
               "rollouts / calls | resources commit sessions | agent restore continuations | model restore calls | "

@@ -328,12 +328,13 @@ def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str,
     # access, or (key, bytes) pairs from a generator, is never held whole); the order of writing does
     # not matter: the manifest sorts its keys.
     items = lineages.items() if isinstance(lineages, Mapping) else lineages
+    into = f"{folder}{os.sep}"  # one file per rollout: names joined as strings, not parsed as paths
     with DurableFiles() as out:  # every file durable, each folder fsynced once, before the manifest
         for key, data in items:
             if key in rollouts:
                 raise InvalidRecordError(f"ledger lineages: capture key {key!r} appears twice")
             name = f"{key}{LINEAGE_SUFFIX}"
-            out.add(folder / name, data)
+            out.add(into + name, data)
             rows = sum(1 for line in data.split(b"\n") if line.strip())
             rollouts[key] = LedgerRollout(files={name: sha256_hex(data)}, rows=rows, bytes=len(data))
         refs = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", storage_references, out)
@@ -352,13 +353,14 @@ def write_resources_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: s
     in declaration order), then ``manifest.json`` mapping each name to its SHA-256."""
     folder = Path(checkpoint_dir) / resources_dir(server_name)
     files: dict[str, str] = {}
+    into = f"{folder}{os.sep}"  # one file per session: names joined as strings, not parsed as paths
     with DurableFiles() as out:  # every file durable, the folder fsynced once, before the manifest
         for snap in snapshots:
             name = attempt_member(snap.rollout_id, snap.attempt_index)
             if name in files:
                 raise InvalidRecordError(f"resources snapshots: {name!r} appears twice (expected one per attempt)")
             data = record_json(snap)
-            out.add(folder / name, data)
+            out.add(into + name, data)
             files[name] = sha256_hex(data)
     manifest = ResourcesManifest(checkpoint_id=checkpoint_id, server_name=server_name, files=files)
     return manifest, write_manifest(folder, manifest)

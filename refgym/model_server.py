@@ -55,7 +55,7 @@ from schemas.control import (
 from schemas.errors import InvalidRecordError, SnapshotError
 from schemas.gym_files import AGENT_DIR, MANIFEST_NAME, AttemptEntry, ExternalStorageReference, ledger_dir
 from schemas.gym_records import AgentContinuationRoot, ModelLedgerEntry
-from schemas.identity import capture_key
+from schemas.identity import capture_key, capture_keys_down
 from schemas.token_entry import TOKEN_ENTRY_SCHEMA_VERSION, token_digest
 
 log = logging.getLogger(__name__)
@@ -215,8 +215,9 @@ class RefModel(ModelParticipant):
     def _lineage(self, last: Call) -> list[Call]:
         """``last`` and its ancestors through ``parent_call_id`` (an unknown parent ends the walk)."""
         chain, seen = [last], {last.entry.model_call_id}
+        keys = capture_keys_down(last.entry.rollout_id, last.entry.attempt_index)  # a parent's attempt is <= its child's
         while (parent := chain[-1].entry.parent_call_id) is not None and parent not in seen:
-            found = self._find(last.entry.rollout_id, parent, chain[-1].entry.attempt_index)
+            found = self._find_in(keys[last.entry.attempt_index - chain[-1].entry.attempt_index:], parent)
             if found is None:
                 break
             chain.append(found)
@@ -225,8 +226,12 @@ class RefModel(ModelParticipant):
 
     def _find(self, rollout_id: str, call_id: str, attempt: int) -> Call | None:
         """The call ``call_id`` of the latest attempt <= ``attempt`` that made it."""
-        for a in range(attempt, -1, -1):
-            if (found := self.calls.get((capture_key(rollout_id, a), call_id))) is not None:
+        return self._find_in(capture_keys_down(rollout_id, attempt), call_id)
+
+    def _find_in(self, keys: list[str], call_id: str) -> Call | None:
+        """The call ``call_id`` of the first of ``keys`` (capture keys, latest attempt first) that made it."""
+        for key in keys:
+            if (found := self.calls.get((key, call_id))) is not None:
                 return found
         return None
 

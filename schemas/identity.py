@@ -44,6 +44,15 @@ def capture_key(rollout_id: str, attempt: int) -> str:
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
 
+def capture_keys_down(rollout_id: str, attempt: int) -> list[str]:
+    """The capture keys of ``attempt`` of ``rollout_id`` and of every earlier attempt, latest first
+    (``capture_key`` of each, the id checked once: a lineage walk asks for them call after call)."""
+    check_rollout_id(rollout_id)
+    if attempt < 0:
+        raise InvalidRecordError(f"attempt_index: {attempt} is negative (expected >= 0)")
+    return [f"{rollout_id}-a{a}" for a in range(attempt, 0, -1)] + [rollout_id]
+
+
 def split_capture_key(key: str, where: str = "capture_key") -> tuple[str, int]:
     """The (rollout id, attempt) a capture key names: the inverse of :func:`capture_key`.
 

@@ -5,6 +5,7 @@ restored; the counts agree; the report and plot are written), never how fast."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,19 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
                                                                        for k in scale_bench.STAGED_ROWS), st
     assert not any(staging.iterdir())  # each staging folder removed after its publish, the baseline's too
 
+    # The CPU of each step was counted, for both kinds of pause: the servers worked in the prepare and the commit
+    # (parking, writing Gym's files), and a step's CPU is part of its pause's.
+    for cpu in (p["median_cpu_s"], st["median_cpu_s"]):
+        assert {f"{k}_{w}" for k in scale_bench.CPU_ROWS for w in ("servers", "driver")} <= set(cpu), cpu
+        assert cpu["prepare_servers"] > 0 and cpu["commit_servers"] > 0, cpu
+        assert cpu["pause_total_servers"] >= cpu["commit_servers"] and cpu["pause_total_driver"] >= 0, cpu
+
     md = scale_bench.markdown(res, scale_bench.plot(res, tmp_path / "results"))
     assert md.startswith("# Scale benchmark") and "| step | 2 srv, 40 (ms) |" in md
     for _, label, _ in scale_bench.PHASES:
         assert label.strip() in md, label
     assert "## Lever: Gym's files staged in RAM" in md and "| 2 srv, 40: draft | staged |" in md
+    assert "## Where the pause's CPU goes" in md and "| 2 srv, 40: wall s | servers CPU s |" in md
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up
 
 
@@ -65,6 +74,23 @@ def test_the_bare_files_baseline_writes_the_sizes_it_is_given(tmp_path: Path, th
     written = {p.relative_to(tmp_path / "bare").as_posix(): p.stat().st_size
                for p in (tmp_path / "bare").rglob("*") if p.is_file()}
     assert written == sizes  # every file at its size under its name, no temporary file left
+
+
+def test_processes_cpu_counts_the_work_of_a_live_process_and_not_a_gone_one() -> None:
+    import subprocess
+    import sys
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+                             "while time.process_time() < end: pass\ninput()"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while scale_bench.processes_cpu_s([busy.pid]) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        used = scale_bench.processes_cpu_s([busy.pid])
+        assert 0.3 <= used < 5, used  # its 0.3 s of spinning (and its start), not nothing and not the wall time
+    finally:
+        busy.communicate(b"\n", timeout=30)
+    assert scale_bench.processes_cpu_s([busy.pid]) == 0.0  # reaped: nothing to count
 
 
 def test_scale_plot_is_written(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from nemo_gym.episode_types import EpisodeId
 from pydantic import ValidationError
 
 from schemas.identity import (
-    MAX_NAME_LEN, capture_key, check_capture_key, check_name, check_relative_path, check_rollout_id,
+    MAX_NAME_LEN, capture_key, capture_keys_down, check_capture_key, check_name, check_relative_path, check_rollout_id,
     split_capture_key,
 )
 
@@ -123,6 +123,18 @@ def test_capture_key_of_a_negative_attempt_is_refused(attempt: int) -> None:
 def test_capture_key_of_a_bad_rollout_id_is_refused() -> None:
     with pytest.raises(InvalidRecordError):
         capture_key("p7_g2-a1", 1)
+
+
+@given(rid=rollout_ids(), attempt=st.integers(0, 60))
+def test_capture_keys_down_are_each_earlier_attempts_key_latest_first(rid: str, attempt: int) -> None:
+    assert capture_keys_down(rid, attempt) == [capture_key(rid, a) for a in range(attempt, -1, -1)]
+
+
+def test_capture_keys_down_refuse_what_capture_key_refuses() -> None:
+    with pytest.raises(InvalidRecordError, match="negative"):
+        capture_keys_down("p7_g2", -1)
+    with pytest.raises(InvalidRecordError, match="reserved for capture keys"):
+        capture_keys_down("p7_g2-a1", 1)
 
 
 @given(rid=rollout_ids(), n=st.integers(0, 50), attempt=st.integers(0, 50))

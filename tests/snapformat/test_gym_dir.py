@@ -5,13 +5,15 @@ the whole builds, and a failing stream leaves no file behind."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import tarfile
 from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from schemas.errors import InvalidPathError
@@ -79,3 +81,71 @@ def test_add_chunks_counts_files_and_bytes_and_is_durable_with_the_block(tmp_pat
     assert (tmp_path / "a" / "big.jsonl").read_bytes() == b"x" * 50_000
     with pytest.raises(RuntimeError, match="after the files were synced"):
         out.add_chunks(tmp_path / "a" / "late", [b""])
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_durable_files_take_str_paths_bare_names_and_removals(tmp_path: Path, monkeypatch, workers: int) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.json").write_bytes(b"old")
+    fsynced: list[str] = []
+    real = gym_dir._fsync_dir
+    monkeypatch.setattr(gym_dir, "_fsync_dir", lambda p: (fsynced.append(os.fspath(p)), real(p)))
+    with DurableFiles(workers=workers) as out:
+        out.add("bare.json", b"{}")  # a bare name: its folder is the working one, "."
+        out.add(str(tmp_path / "deep" / "er" / "x.json"), b"[]")  # a str path, two folders created
+        out.remove("old.json")
+        out.remove("never-was.json")  # nothing to remove is no error
+    assert (tmp_path / "bare.json").read_bytes() == b"{}" and (tmp_path / "deep/er/x.json").read_bytes() == b"[]"
+    assert not (tmp_path / "old.json").exists()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(gym_dir.TEMP_PREFIX)) == []
+    # each folder a name changed in is fsynced once: ".", the created folders' parents and the deepest folder
+    assert sorted(fsynced) == sorted([".", str(tmp_path), str(tmp_path / "deep"), str(tmp_path / "deep" / "er")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(members=st.lists(st.tuples(st.one_of(st.text(alphabet=st.characters(max_codepoint=127), min_size=1, max_size=110),
+                                            st.text(min_size=1, max_size=20)),
+                                  st.binary(max_size=2_000)), max_size=8))
+def test_tar_bytes_are_tarfiles_bytes_for_any_members(members: list[tuple[str, bytes]]) -> None:
+    # Headers built by hand for short ASCII names, tarfile's own for the rest: the same bytes either way,
+    # and tarfile reads every member back (a NUL ends a name in tar, so such names are only compared as bytes).
+    built = gym_dir.tar_bytes(members)
+    assert built == gym_dir._tarfile_bytes(members)
+    assume(all("\x00" not in name for name, _ in members))
+    with tarfile.open(fileobj=io.BytesIO(built)) as tf:
+        assert [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()] == members
+
+
+@SETTINGS
+@given(data=st.binary(max_size=300) | st.lists(st.sampled_from([b"\n", b" ", b"\t", b"\r", b"\x0b", b"x", b"{}"]),
+                                               max_size=60).map(b"".join),
+       chunk=st.integers(1, 9), name=st.sampled_from(["rows.jsonl", "doc.json"]))
+def test_scan_file_counts_a_jsonl_files_non_blank_lines_across_any_chunks(tmp_path_factory, monkeypatch, data: bytes,
+                                                                          chunk: int, name: str) -> None:
+    # Read in chunks of any size (the lines cross them), the file's non-blank lines are what Gym's readers count:
+    # the b"\n"-split pieces with a byte bytes.strip() keeps; a JSON document's lines are not counted.
+    path = tmp_path_factory.mktemp("scan") / name
+    path.write_bytes(data)
+    monkeypatch.setattr(gym_dir, "_CHUNK", chunk)
+    facts = gym_dir.scan_file(path)
+    expected = sum(1 for line in data.split(b"\n") if line.strip())
+    assert facts.lines == (expected if name.endswith(".jsonl") else None)
+    assert facts.records == (expected if name.endswith(".jsonl") else 1)
+    assert (facts.size, facts.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_list_folder_lists_plain_files_by_relative_name_and_refuses_links(tmp_path: Path) -> None:
+    root = tmp_path / "part"
+    (root / "a" / "b").mkdir(parents=True)
+    for rel in ("manifest.json", "a/x.jsonl", "a/b/y.json", f"a/{gym_dir.TEMP_PREFIX}0123", "a/skipped.json"):
+        (root / rel).write_bytes(b"{}")
+    assert gym_dir.list_folder(root, skip=["a/skipped.json"]) == ["a/b/y.json", "a/x.jsonl", "manifest.json"]
+    (root / "a" / "to-b").symlink_to(root / "a" / "b", target_is_directory=True)
+    with pytest.raises(InvalidPathError, match=r"a/to-b: a symbolic link"):
+        gym_dir.list_folder(root)
+    (root / "a" / "to-b").unlink()
+    (root / "a" / "b" / "to-x").symlink_to(root / "a" / "x.jsonl")
+    with pytest.raises(InvalidPathError, match=r"b/to-x: not a regular file"):
+        gym_dir.list_folder(root)
+    with pytest.raises(InvalidPathError, match="not a folder"):
+        gym_dir.list_folder(root / "manifest.json")
