@@ -461,6 +461,10 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         staged: list[tuple[dict[str, float], dict[str, int]]] = []
         cpu: dict[str, list[dict[str, float]]] = {"draft": [], "staged": []}  # CPU seconds of each pause's steps
         host_pids = [h.pid for h in dep.hosts]
+
+        def servers_cpu() -> float:
+            return processes_cpu_s(host_pids)
+
         pause_failures: list[str] = []
         try:
             topology = await gym.discover_checkpoint_capabilities()  # once, before the pauses (as the controller)
@@ -474,13 +478,13 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                 try:
                     times, cpu_s, counts, published, parts = await pause_once(
                         gym, store, store_root, topology.fingerprint, ck_try,
-                        servers_cpu=lambda: processes_cpu_s(host_pids))
+                        servers_cpu=servers_cpu)
                     ck = ck_try  # the checkpoint of the snapshot the restores take, as soon as it is published
                     if staging is not None:
                         await asyncio.sleep(RUN_BETWEEN_S)
                         staged_times, staged_cpu, staged_counts, published, parts = await pause_once(
                             gym, store, store_root, topology.fingerprint, f"{ck_try}-staged", staging,
-                            servers_cpu=lambda: processes_cpu_s(host_pids))
+                            servers_cpu=servers_cpu)
                         ck = f"{ck_try}-staged"
                 except Exception as exc:  # the pauses measured so far still count
                     if not pauses:

@@ -132,7 +132,7 @@ def scan_file(path: Path) -> FileFacts:
     try:
         with open(path, "rb") as fh:
             # Whole chunks hashed at once: hashing line by line cost a restore of 10,000 rollouts most
-            # of its check (a resources session is a JSON document of ~40 lines; cProfile).
+            # of its check (a resources session is a JSON document of ~180 lines; cProfile).
             while chunk := fh.read(_CHUNK):
                 sha.update(chunk)
                 xxh.update(chunk)
@@ -585,6 +585,8 @@ _USTAR_MODE_IDS = b"0000600\0" + b"0000000\0" * 2
 #: empty user and group names and device numbers, no prefix, NULs to the end of the block.
 _USTAR_MTIME = b"00000000000\0"
 _USTAR_AFTER_CHKSUM = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * (32 + 32 + 8 + 8 + 155)).ljust(_TAR_BLOCK - 156, b"\0")
+#: What the checksum field (as 8 spaces) and the fields after it add to every header's checksum.
+_USTAR_FIXED_SUM = 8 * 32 + sum(_USTAR_AFTER_CHKSUM)
 
 
 def _ustar_header(name: bytes, size: int) -> bytes:
@@ -592,7 +594,7 @@ def _ustar_header(name: bytes, size: int) -> bytes:
     name of at most 100 ASCII bytes and a size below 8**11 (no PAX header then). The checksum is the
     sum of the header's bytes with its own field as 8 spaces, written as 6 octal digits, NUL, space."""
     head = name.ljust(100, b"\0") + _USTAR_MODE_IDS + b"%011o\0" % size + _USTAR_MTIME
-    return head + b"%06o\0 " % (sum(head) + 8 * 32 + sum(_USTAR_AFTER_CHKSUM)) + _USTAR_AFTER_CHKSUM
+    return head + b"%06o\0 " % (sum(head) + _USTAR_FIXED_SUM) + _USTAR_AFTER_CHKSUM
 
 
 def tar_bytes(members: Iterable[tuple[str, bytes]]) -> bytes:
