@@ -86,6 +86,7 @@ from snapformat.gym_dir import (
     ref_name,
     root_order,
     sha256_hex,
+    non_blank_lines,
     tar_bytes,
     write_jsonl,
     write_manifest,
@@ -335,7 +336,7 @@ def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str,
                 raise InvalidRecordError(f"ledger lineages: capture key {key!r} appears twice")
             name = f"{key}{LINEAGE_SUFFIX}"
             out.add(into + name, data)
-            rows = sum(1 for line in data.split(b"\n") if line.strip())
+            rows = non_blank_lines(data)
             rollouts[key] = LedgerRollout(files={name: sha256_hex(data)}, rows=rows, bytes=len(data))
         refs = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", storage_references, out)
     roots = list(roots)

@@ -151,6 +151,13 @@ def scan_file(path: Path) -> FileFacts:
                      records=count_records(path.name, lines if counted else None, members))
 
 
+def non_blank_lines(data: bytes) -> int:
+    """The non-blank lines of ``data`` (b"\\n"-split pieces with a byte ``bytes.strip`` keeps): a
+    JSON-lines file's ``records``, as :func:`scan_file` counts them."""
+    done, unfinished = _non_blank_lines(data, False)
+    return done + unfinished
+
+
 def _non_blank_lines(chunk: bytes, unfinished: bool) -> tuple[int, bool]:
     """Lines of ``chunk`` ended by its b"\\n"s that hold a non-blank byte (``bytes.strip``, as Gym's
     readers skip blank lines), the first one joined to the line the chunks before left

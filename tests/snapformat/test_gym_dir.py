@@ -131,6 +131,7 @@ def test_scan_file_counts_a_jsonl_files_non_blank_lines_across_any_chunks(tmp_pa
     expected = sum(1 for line in data.split(b"\n") if line.strip())
     assert facts.lines == (expected if name.endswith(".jsonl") else None)
     assert facts.records == (expected if name.endswith(".jsonl") else 1)
+    assert gym_dir.non_blank_lines(data) == expected  # the writers' count (a ledger's rows) is the same
     assert (facts.size, facts.sha256) == (len(data), hashlib.sha256(data).hexdigest())
 
 
@@ -149,3 +150,20 @@ def test_list_folder_lists_plain_files_by_relative_name_and_refuses_links(tmp_pa
         gym_dir.list_folder(root)
     with pytest.raises(InvalidPathError, match="not a folder"):
         gym_dir.list_folder(root / "manifest.json")
+
+
+def test_a_reference_to_a_json_document_is_refused_even_with_its_line_count(tmp_path: Path) -> None:
+    from schemas.errors import CorruptSnapshotError
+    from schemas.gym_files import ArtifactRef
+
+    data = b"{\n  \"a\": 1\n}"  # three non-blank lines, but a JSON document, not JSON lines
+    for name in ("doc.json", "rows.jsonl"):
+        (tmp_path / name).write_bytes(data)
+    facts = {name: gym_dir.scan_file(tmp_path / name) for name in ("doc.json", "rows.jsonl")}
+    for name in facts:
+        ref = ArtifactRef(relative_path=name, sha256=hashlib.sha256(data).hexdigest(), records=3, bytes=len(data))
+        if name.endswith(".jsonl"):
+            gym_dir.check_ref(ref, name, facts, tmp_path, "manifest")  # the same bytes as JSON lines pass
+        else:
+            with pytest.raises(CorruptSnapshotError, match="doc.json: it is not a JSON-lines file"):
+                gym_dir.check_ref(ref, name, facts, tmp_path, "manifest")
