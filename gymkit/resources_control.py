@@ -284,7 +284,10 @@ class ResourceSessions:
         entry.users += 1
         acquired = False
         try:
-            if timeout is None:
+            if timeout is None or entry.users == 1:
+                # users == 1: nobody else holds or waits for it, so acquire() returns without waiting.
+                # wait_for would run it as a task: three loop turns for each of the thousands of
+                # sessions a prepare exports.
                 await entry.lock.acquire()
             else:
                 await asyncio.wait_for(entry.lock.acquire(), timeout=timeout)

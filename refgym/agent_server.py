@@ -254,6 +254,7 @@ class RefAgent(AgentParticipant):
         self._wake = asyncio.Event()
         self._watcher: asyncio.Task | None = None
         self.wakeups = 0  # rollout wake-ups by the watcher (a test counts them)
+        self.calls_held_back = 0  # model calls not sent: the model was refusing them (a test counts them)
         self._primers: set[asyncio.Task] = set()  # batched first turns in progress
         self._turn_slots = asyncio.Semaphore(MAX_OPEN_CALLS)  # turns started and not yet finished
         self._open_calls = asyncio.Semaphore(MAX_OPEN_CALLS)  # model calls wait here, not in httpx's pool
@@ -402,10 +403,12 @@ class RefAgent(AgentParticipant):
             if self._parking(r):
                 await self._boundary(r)
                 continue
-            if not self._model_ok.is_set() and self._leader is not r:
+            if self._waits_for_leader(r):
                 await self._wait_model_or_park(r)
                 continue
             outcome = await self._turn(r)
+            if outcome == "model_waits":  # no call made: wait for the leader (or a park request) above
+                continue
             if outcome == "done" and self._leader is r:  # the model answers again: everyone may call it
                 self._leader = None
                 self._model_ok.set()
@@ -415,9 +418,11 @@ class RefAgent(AgentParticipant):
             if outcome == "done":
                 waits = 0
                 await self._boundary(r)
-            else:
+            elif not self._parking(r):
                 waits += 1
                 await self._backoff(_retry_delay(waits))
+            # else: asked to park while its turn could not start (most often, while it queued for a
+            # slot): it parks at once above, without a back-off's timer and a second wake-up
 
     async def _backoff(self, seconds: float) -> None:
         """Wait before trying a turn again, but no longer than until a park request: a rollout
@@ -440,15 +445,26 @@ class RefAgent(AgentParticipant):
             model_ok.cancel()
             changed.cancel()
 
-    async def _turn(self, r: Rollout) -> Literal["done", "not_started", "model_refused"]:
-        """One whole turn, or nothing changed: the model refused the call, or it could not start (no
-        turn slot before a park request, or a resources server refused the session reset)."""
+    async def _turn(self, r: Rollout) -> Literal["done", "not_started", "model_refused", "model_waits"]:
+        """One whole turn, or nothing changed: the model refused the call, it refused another rollout's
+        call while this one waited for a turn slot (``model_waits``: nothing was sent), or the turn could
+        not start (no turn slot before a park request, or a resources server refused the session reset)."""
         if not await self._slot_unless_parking(r, self._turn_slots):
             return "not_started"
         try:
+            if self._waits_for_leader(r):
+                # Up to 1,000 rollouts queue for 16 slots. Once the model refused one call (it pauses
+                # for a checkpoint), each of them would otherwise send a call only to see it refused:
+                # thousands of round trips that hold the CPU the prepare needs.
+                self.calls_held_back += 1
+                return "model_waits"
             return await self._turn_in_slot(r)
         finally:
             self._turn_slots.release()
+
+    def _waits_for_leader(self, r: Rollout) -> bool:
+        """True while the model refuses calls and another rollout (the leader) finds out when it is back."""
+        return not self._model_ok.is_set() and self._leader is not r
 
     async def _turn_in_slot(self, r: Rollout) -> Literal["done", "not_started", "model_refused"]:
         t = len(r.trajectory)

@@ -421,6 +421,41 @@ def test_prepare_deadline_rules() -> None:
     run_async(main)
 
 
+def test_a_prepare_exports_free_sessions_without_a_loop_turn_each() -> None:
+    """A prepare exports every session under its lock, with the deadline as the lock's timeout. A
+    free lock is taken at once: waiting for it through ``asyncio.wait_for`` ran each acquire as a
+    task, three turns of the server's event loop for each of the thousands of sessions (issue 22's
+    pause at 10,000 rollouts). A held lock still times out at the deadline (test above)."""
+    count = 500
+
+    async def main() -> tuple[int, int]:
+        sessions = ResourceSessions()
+        for i in range(count):
+            sessions.bind(f"r{i}", 0)
+        turns, stop = 0, False
+
+        async def ticker() -> None:  # counts the loop's turns while the prepare runs
+            nonlocal turns
+            while not stop:
+                turns += 1
+                await asyncio.sleep(0)
+
+        async def export(rid: str, n: int) -> Any:
+            return {"rollout_id": rid}
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        turns = 0
+        reply = await sessions.prepare(time.time() + 30, export)
+        stop = True
+        await task
+        return reply.sessions, turns
+
+    exported, turns = asyncio.run(main())
+    assert exported == count
+    assert turns <= 2, turns  # not one per session
+
+
 # -- restore -------------------------------------------------------------------------------------------------------------
 async def committed(ckdir: Path, cid: str = "save-1") -> Server:
     """A server with sessions a (revision 3) and b (revision 2) committed under ``cid``."""

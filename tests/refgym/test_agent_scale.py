@@ -75,3 +75,71 @@ def test_a_rollout_backing_off_from_a_paused_model_parks_before_its_backoff_ends
 
     refused, all_parked = asyncio.run(scenario())
     assert all_parked and refused == 4  # each rollout was refused once, then backed off (none asked again)
+
+
+def test_rollouts_queued_behind_a_refused_model_call_send_none_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model pauses first (NeMo-RL's prepare order). The rollouts holding the 16 turn slots send
+    their calls and are refused; from then on the leader alone asks the model again. Rollouts that
+    were already queued for a slot must not each send a call when they get one: at 10,000 rollouts
+    that was thousands of refused round trips inside the prepare."""
+    monkeypatch.setattr(agent_server, "RETRY_BASE_S", 500.0)  # the leader does not ask again in the test
+    monkeypatch.setattr(agent_server, "RETRY_MAX_S", 3600.0)
+    rollouts = 3 * MAX_OPEN_CALLS
+
+    async def scenario() -> tuple[int, int, bool]:
+        stand_ins = StandIns()
+        stand_ins.paused = True
+        agent, executions = stand_in_agent(stand_ins)
+        for i in range(rollouts):
+            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
+        end = time.monotonic() + 30
+        while stand_ins.refused + agent.calls_held_back < rollouts:  # every rollout tried once
+            assert time.monotonic() < end, (stand_ins.refused, agent.calls_held_back)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # time for any further call to be sent
+        refused = stand_ins.refused
+        executions.request_park()
+        status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
+        await agent.close()
+        return refused, agent.calls_held_back, status.ready_to_commit and status.parked == rollouts
+
+    refused, held_back, all_parked = asyncio.run(scenario())
+    assert refused == MAX_OPEN_CALLS  # one call per slot, sent before the first refusal came back
+    assert held_back == rollouts - MAX_OPEN_CALLS
+    assert all_parked
+
+
+def test_rollouts_asked_to_park_while_queued_for_a_slot_park_without_a_back_off() -> None:
+    """A rollout queued for a turn slot when the park request comes has not started its turn: it
+    parks at once. Backing off first (a timer, a wake-up, a second pass through its loop) for each
+    of 1,000 queued rollouts was most of an agent's prepare CPU."""
+    rollouts = 5 * MAX_OPEN_CALLS
+
+    async def scenario() -> tuple[int, bool]:
+        stand_ins = StandIns(hold=True)  # every turn slot holds a model call in flight
+        agent, executions = stand_in_agent(stand_ins)
+        backoffs = 0
+        backoff = agent._backoff
+
+        async def counted(seconds: float) -> None:
+            nonlocal backoffs
+            backoffs += 1
+            await backoff(seconds)
+
+        agent._backoff = counted  # type: ignore[method-assign]
+        for i in range(rollouts):
+            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
+        end = time.monotonic() + 30
+        while stand_ins.model_calls < MAX_OPEN_CALLS:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.01)
+        executions.request_park()
+        await asyncio.sleep(0.05)
+        stand_ins.release.set()  # the calls in flight finish their turns, then those rollouts park
+        status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
+        await agent.close()
+        return backoffs, status.ready_to_commit and status.parked == rollouts
+
+    backoffs, all_parked = asyncio.run(scenario())
+    assert all_parked
+    assert backoffs == 0
