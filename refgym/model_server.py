@@ -66,17 +66,58 @@ UNRESOLVED_PARENT_REASON = "unresolved_parent"
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True):
-    """One recorded model call: its ledger entry and its token record (Gym's TokenEntry JSON)."""
+    """One recorded model call: its ledger entry and its token record (Gym's TokenEntry JSON).
+
+    ``token`` is the record as a dict for a call this server answered, or, for a call a restore
+    loaded, the JSON object's bytes from the lineage file (:meth:`fields` decodes them when asked).
+    Encoded, both give the same row: a restored call is written back byte for byte."""
 
     entry: ModelLedgerEntry
-    token: dict[str, Any]
+    token: dict[str, Any] | msgspec.Raw
+
+    def fields(self) -> dict[str, Any]:
+        """The token record as a dict."""
+        if isinstance(self.token, msgspec.Raw):
+            return _decode_token(self.token)
+        return self.token
 
     def reply(self, replayed: bool = False) -> ModelReply:
-        t = self.token
+        t = self.fields()
         return ModelReply(response_id=t["response_id"], model=t["model"], capture_key=t["rollout_id"],
                           model_call_id=t["model_call_id"], generation_token_ids=t["generation_token_ids"],
                           generation_log_probs=t["generation_log_probs"], cum_len=t["cum_len"], digest=t["digest"],
                           parent_resolution=t["parent_resolution"], replayed=replayed)
+
+
+class _StoredCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A lineage row as a restore reads it: the ledger entry decoded (and checked), the token record
+    kept as its bytes. Decoding 10,000 rollouts' token records into dicts (prompt and generation
+    ids, log probs) was most of the model's restore; a replayed call decodes its own."""
+
+    entry: ModelLedgerEntry
+    token: msgspec.Raw
+
+
+_stored_call = msgspec.json.Decoder(_StoredCall)
+_token_fields = msgspec.json.Decoder(dict[str, Any])
+
+
+def _decode_token(raw: msgspec.Raw) -> dict[str, Any]:
+    return _token_fields.decode(raw)
+
+
+def _stored_calls(path: Path) -> list[_StoredCall]:
+    """The rows of a lineage file (blank lines skipped), each entry checked, each token a JSON object."""
+    try:
+        rows = _stored_call.decode_lines(path.read_bytes())
+    except msgspec.ValidationError as exc:  # the entry's own checks say which field
+        raise InvalidRecordError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRecordError(f"{path}: not JSON lines: {exc}") from None
+    for n, row in enumerate(rows, 1):
+        if memoryview(row.token)[:1] != b"{":
+            raise InvalidRecordError(f"{path}: row {n}: token is not a JSON object")
+    return rows
 
 
 class RefModel(ModelParticipant):
@@ -171,13 +212,11 @@ class RefModel(ModelParticipant):
             manifest, _refs, lineage = read_ledger_dir(Path(ctx.checkpoint_dir) / ledger_dir(self.name))
             calls: dict[tuple[str, str], Call] = {}
             for key, path in lineage.items():
-                for raw in path.read_bytes().splitlines():
-                    if not raw.strip():
-                        continue
-                    call = msgspec.json.decode(raw, type=Call)
-                    if call.entry.capture_key != key:
-                        raise InvalidRecordError(f"{path}: a call of {call.entry.capture_key!r} in the lineage of {key!r}")
-                    calls[(key, call.entry.model_call_id)] = call
+                for n, stored in enumerate(_stored_calls(path), 1):
+                    if stored.entry.capture_key != key:
+                        raise InvalidRecordError(f"{path}: row {n}: a call of {stored.entry.capture_key!r} in the "
+                                                 f"lineage of {key!r}")
+                    calls[(key, stored.entry.model_call_id)] = Call(entry=stored.entry, token=stored.token)
         except (SnapshotError, OSError, msgspec.DecodeError) as exc:
             raise ControlError("ledger_mismatch", f"{ctx.checkpoint_dir}: {type(exc).__name__}: {exc}") from None
         self.calls = calls  # swapped in whole: a failed load changes nothing
@@ -265,9 +304,10 @@ class RefModel(ModelParticipant):
         model call: the rollout is marked incomplete instead (so a trainer masks it)."""
         if self.token_store is None:
             return
-        key, call_id = call.token["rollout_id"], call.token["model_call_id"]
+        token = call.fields()
+        key, call_id = token["rollout_id"], token["model_call_id"]
         try:
-            await self.token_store.put(call.token)
+            await self.token_store.put(token)
         except Exception as exc:  # noqa: BLE001 - any capture failure is reported the same way
             log.warning("token capture of %s call %s failed: %s", key, call_id, exc)
             try:
@@ -277,7 +317,7 @@ class RefModel(ModelParticipant):
 
     def _replay(self, known: Call, req: ModelCall) -> ModelReply:
         """A retried call gets the recorded answer; a different prompt under the same id is refused."""
-        if known.token["prompt_token_ids"] != list(req.prompt_token_ids):
+        if known.fields()["prompt_token_ids"] != list(req.prompt_token_ids):
             raise ApiRefused(409, "conflict", f"{req.model_call_id!r} of {known.entry.capture_key!r} was already "
                              "recorded with a different prompt")
         return known.reply(replayed=True)
@@ -322,7 +362,7 @@ class RefModel(ModelParticipant):
         return [{"rollout_id": c.entry.rollout_id, "attempt_index": c.entry.attempt_index,
                  "capture_key": c.entry.capture_key, "model_call_id": c.entry.model_call_id,
                  "parent_call_id": c.entry.parent_call_id, "turn_index": c.entry.turn_index,
-                 "parent_resolution": c.token["parent_resolution"]} for c in calls]
+                 "parent_resolution": c.fields()["parent_resolution"]} for c in calls]
 
 
 MAX_CALL_BATCH = 2000

@@ -1,0 +1,129 @@
+"""The reference model's ledger through a commit and a restore, in process (no HTTP).
+
+A restore keeps each call's token record as the bytes of its lineage row and decodes it only when
+the call is replayed (issue 22: decoding every token record was most of the model's restore). These
+tests hold what that must not change: the next commit writes the restored rows byte for byte, a
+replayed call answers exactly as before, and bytes that are not a lineage are refused as
+``ledger_mismatch``, never with another error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gymkit.checkpoint_dir import write_ledger_dir
+from gymkit.fence import ControlError
+from gymkit.model_control import ModelAdmission, ModelCommitContext, ModelRestoreContext
+from refgym.api import ApiRefused, ModelCall, ModelReply
+from refgym.model_server import RefModel
+from schemas.gym_files import ledger_dir
+from schemas.gym_records import AgentContinuationRoot
+from snapformat.gym_dir import write_jsonl
+
+NAME = "policy0"
+ROLLOUTS, TURNS = 3, 3
+
+
+def _call(i: int, t: int) -> ModelCall:
+    return ModelCall(rollout_id=f"r{i}", attempt_index=0, capture_key=f"r{i}", model_call_id=f"c{t}",
+                     parent_call_id=f"c{t - 1}" if t else None, turn_index=t, prompt_token_ids=[1 + t, 2 + i, 3] * 5)
+
+
+async def _served(folder: Path) -> tuple[RefModel, dict[tuple[int, int], ModelReply], Path]:
+    """A model that answered ROLLOUTS x TURNS calls and committed them into ``folder``."""
+    model = RefModel(NAME, 7, ModelAdmission())
+    replies = {(i, t): await model.call(_call(i, t)) for i in range(ROLLOUTS) for t in range(TURNS)}
+    roots = [AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=0, capture_key=f"r{i}",
+                                   last_committed_model_call_id=f"c{TURNS - 1}", resource_state_revisions={})
+             for i in range(ROLLOUTS)]
+    index = write_jsonl(folder, "agent/agent0/continuations.jsonl", roots)
+    await model.commit(ModelCommitContext(checkpoint_id="ck-1", deadline_ts=time.time() + 60,
+                                          checkpoint_dir=str(folder), continuation_indexes=(index,)))
+    return model, replies, folder
+
+
+def _lineages(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((folder / ledger_dir(NAME)).glob("*.lineage.jsonl"))}
+
+
+def test_a_restored_ledger_commits_its_rows_byte_for_byte_and_replays_as_before(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        _model, replies, first = await _served(tmp_path / "first")
+        restored = RefModel(NAME, 7, ModelAdmission())
+        await restored.restore(ModelRestoreContext(checkpoint_id="rs-1", deadline_ts=time.time() + 60,
+                                                   checkpoint_dir=str(first)))
+        again = tmp_path / "again"
+        index = write_jsonl(again, "agent/agent0/continuations.jsonl", [
+            AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=0, capture_key=f"r{i}",
+                                  last_committed_model_call_id=f"c{TURNS - 1}", resource_state_revisions={})
+            for i in range(ROLLOUTS)])
+        await restored.commit(ModelCommitContext(checkpoint_id="ck-2", deadline_ts=time.time() + 60,
+                                                 checkpoint_dir=str(again), continuation_indexes=(index,)))
+        assert _lineages(again) == _lineages(first) and len(_lineages(first)) == ROLLOUTS
+        for (i, t), reply in replies.items():  # a retried call gets the recorded answer
+            replayed = await restored.call(_call(i, t))
+            assert replayed == msgspec.structs.replace(reply, replayed=True)
+        assert restored.ledger_view() == _model.ledger_view()
+
+    asyncio.run(scenario())
+
+
+def test_a_restored_call_asked_with_another_prompt_is_refused(tmp_path: Path) -> None:
+    async def scenario() -> str:
+        _model, _replies, first = await _served(tmp_path / "first")
+        restored = RefModel(NAME, 7, ModelAdmission())
+        await restored.restore(ModelRestoreContext(checkpoint_id="rs-1", deadline_ts=time.time() + 60,
+                                                   checkpoint_dir=str(first)))
+        other = msgspec.structs.replace(_call(0, 1), prompt_token_ids=[9, 9, 9])
+        with pytest.raises(ApiRefused) as refused:
+            await restored.call(other)
+        return str(refused.value)
+
+    assert "different prompt" in asyncio.run(scenario())
+
+
+_ROW = (b'{"entry":{"rollout_id":"r0","attempt_index":0,"capture_key":"r0","model_call_id":"c0",'
+        b'"parent_call_id":null,"turn_index":0,"model":"m","created_at":1.0},"token":{"rollout_id":"r0"}}')
+_LINES = st.one_of(
+    st.just(_ROW),
+    st.binary(max_size=60),
+    st.sampled_from([b"", b"  ", b"{}", b"[]", b"null", b'{"entry":{},"token":{}}',
+                     _ROW.replace(b'"token":{"rollout_id":"r0"}', b'"token":5'),
+                     _ROW.replace(b'"token":{"rollout_id":"r0"}', b'"token":"x"'),
+                     _ROW.replace(b'"capture_key":"r0"', b'"capture_key":"r1"'),
+                     _ROW.replace(b'"rollout_id":"r0"', b'"rollout_id":"../r0"', 1),
+                     _ROW + b',"extra":1}', _ROW[:-1]]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(_LINES, min_size=1, max_size=4))
+def test_lineage_bytes_restore_or_are_refused_as_ledger_mismatch(tmp_path: Path, lines: list[bytes]) -> None:
+    """Any bytes in a lineage file (with a manifest that vouches for them, so the reader gets past
+    the digests): the restore loads them, or refuses them as ``ledger_mismatch`` naming the file."""
+    folder = tmp_path / f"ck-{abs(hash(tuple(lines)))}"
+    data = b"\n".join(lines) + b"\n"
+    write_ledger_dir(folder, "ck-1", NAME, lineages={"r0": data}, storage_references=[], roots=[])
+    model = RefModel(NAME, 7, ModelAdmission())
+
+    async def restore() -> None:
+        await model.restore(ModelRestoreContext(checkpoint_id="rs", deadline_ts=time.time() + 60,
+                                                checkpoint_dir=str(folder)))
+
+    try:
+        asyncio.run(restore())
+    except ControlError as exc:
+        assert exc.code == "ledger_mismatch"
+        assert "r0.lineage.jsonl" in str(exc) or "manifest" in str(exc), str(exc)
+        assert model.calls == {}  # a failed load changes nothing
+    else:
+        for (key, _call_id), call in model.calls.items():
+            assert key == "r0"
+            assert isinstance(call.fields(), dict)  # every token a JSON object
