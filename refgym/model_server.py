@@ -78,7 +78,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     def fields(self) -> dict[str, Any]:
         """The token record as a dict."""
         if isinstance(self.token, msgspec.Raw):
-            return _decode_token(self.token)
+            return _token_fields.decode(self.token)
         return self.token
 
     def reply(self, replayed: bool = False) -> ModelReply:
@@ -100,10 +100,6 @@ class _StoredCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 _stored_call = msgspec.json.Decoder(_StoredCall)
 _token_fields = msgspec.json.Decoder(dict[str, Any])
-
-
-def _decode_token(raw: msgspec.Raw) -> dict[str, Any]:
-    return _token_fields.decode(raw)
 
 
 def _stored_calls(path: Path) -> list[_StoredCall]:

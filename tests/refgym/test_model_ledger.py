@@ -36,17 +36,26 @@ def _call(i: int, t: int) -> ModelCall:
                      parent_call_id=f"c{t - 1}" if t else None, turn_index=t, prompt_token_ids=[1 + t, 2 + i, 3] * 5)
 
 
-async def _served(folder: Path) -> tuple[RefModel, dict[tuple[int, int], ModelReply], Path]:
-    """A model that answered ROLLOUTS x TURNS calls and committed them into ``folder``."""
-    model = RefModel(NAME, 7, ModelAdmission())
-    replies = {(i, t): await model.call(_call(i, t)) for i in range(ROLLOUTS) for t in range(TURNS)}
+async def _commit(model: RefModel, folder: Path, checkpoint_id: str) -> None:
+    """Commit ``model``'s ledger into ``folder`` for the roots of every rollout's last call."""
     roots = [AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=0, capture_key=f"r{i}",
                                    last_committed_model_call_id=f"c{TURNS - 1}", resource_state_revisions={})
              for i in range(ROLLOUTS)]
     index = write_jsonl(folder, "agent/agent0/continuations.jsonl", roots)
-    await model.commit(ModelCommitContext(checkpoint_id="ck-1", deadline_ts=time.time() + 60,
+    await model.commit(ModelCommitContext(checkpoint_id=checkpoint_id, deadline_ts=time.time() + 60,
                                           checkpoint_dir=str(folder), continuation_indexes=(index,)))
-    return model, replies, folder
+
+
+async def _served_and_restored(first: Path) -> tuple[RefModel, dict[tuple[int, int], ModelReply], RefModel]:
+    """A model that answered ROLLOUTS x TURNS calls and committed them into ``first``, and a fresh
+    model that restored that commit."""
+    model = RefModel(NAME, 7, ModelAdmission())
+    replies = {(i, t): await model.call(_call(i, t)) for i in range(ROLLOUTS) for t in range(TURNS)}
+    await _commit(model, first, "ck-1")
+    restored = RefModel(NAME, 7, ModelAdmission())
+    await restored.restore(ModelRestoreContext(checkpoint_id="rs-1", deadline_ts=time.time() + 60,
+                                               checkpoint_dir=str(first)))
+    return model, replies, restored
 
 
 def _lineages(folder: Path) -> dict[str, bytes]:
@@ -55,32 +64,21 @@ def _lineages(folder: Path) -> dict[str, bytes]:
 
 def test_a_restored_ledger_commits_its_rows_byte_for_byte_and_replays_as_before(tmp_path: Path) -> None:
     async def scenario() -> None:
-        _model, replies, first = await _served(tmp_path / "first")
-        restored = RefModel(NAME, 7, ModelAdmission())
-        await restored.restore(ModelRestoreContext(checkpoint_id="rs-1", deadline_ts=time.time() + 60,
-                                                   checkpoint_dir=str(first)))
-        again = tmp_path / "again"
-        index = write_jsonl(again, "agent/agent0/continuations.jsonl", [
-            AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=0, capture_key=f"r{i}",
-                                  last_committed_model_call_id=f"c{TURNS - 1}", resource_state_revisions={})
-            for i in range(ROLLOUTS)])
-        await restored.commit(ModelCommitContext(checkpoint_id="ck-2", deadline_ts=time.time() + 60,
-                                                 checkpoint_dir=str(again), continuation_indexes=(index,)))
+        first, again = tmp_path / "first", tmp_path / "again"
+        model, replies, restored = await _served_and_restored(first)
+        await _commit(restored, again, "ck-2")
         assert _lineages(again) == _lineages(first) and len(_lineages(first)) == ROLLOUTS
         for (i, t), reply in replies.items():  # a retried call gets the recorded answer
             replayed = await restored.call(_call(i, t))
             assert replayed == msgspec.structs.replace(reply, replayed=True)
-        assert restored.ledger_view() == _model.ledger_view()
+        assert restored.ledger_view() == model.ledger_view()
 
     asyncio.run(scenario())
 
 
 def test_a_restored_call_asked_with_another_prompt_is_refused(tmp_path: Path) -> None:
     async def scenario() -> str:
-        _model, _replies, first = await _served(tmp_path / "first")
-        restored = RefModel(NAME, 7, ModelAdmission())
-        await restored.restore(ModelRestoreContext(checkpoint_id="rs-1", deadline_ts=time.time() + 60,
-                                                   checkpoint_dir=str(first)))
+        _model, _replies, restored = await _served_and_restored(tmp_path / "first")
         other = msgspec.structs.replace(_call(0, 1), prompt_token_ids=[9, 9, 9])
         with pytest.raises(ApiRefused) as refused:
             await restored.call(other)
