@@ -439,13 +439,19 @@ def _total(step: StepResult, component: str, attr: str) -> int:
 
 async def measure_point(workdir: Path, token: str, token_file: Path, store_root: Path, servers: int, n: int,
                         repeats: int, tag: str, log: Log, budget_s: float | None = None,
-                        actor_pool: int | None = None, staging: Path | None = None) -> dict[str, Any]:
+                        actor_pool: int | None = None, staging: Path | None = None,
+                        alongside: bool = False) -> dict[str, Any]:
     """One (servers, rollouts) point: one set-up (not timed), ``repeats`` checkpoints of the live
     rollouts (resumed in between, each running on for :data:`RUN_BETWEEN_S`), then every host
     SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers.
     ``staging`` (the staging lever): each repeat pauses twice, Gym committing into the draft, then
     into a staging folder under ``staging``; both are reported, and the bare-files baseline is
-    measured in both places."""
+    measured in both places. ``alongside`` (the commit-order lever, with ``staging``): each repeat
+    also pauses staged through an actor whose fleet commits the resources servers alongside the
+    agents and the model (``commit_order="resources_alongside"``); the two staged pauses swap places
+    every repeat, so neither always follows the other."""
+    if alongside and staging is None:
+        raise ValueError("the commit-order lever (alongside) is measured on staged pauses: give staging too")
     store = SnapshotStore(str(store_root))
     t_setup = time.perf_counter()
     dep = deploy(workdir, token_file, servers, tag)
@@ -457,9 +463,15 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         log(f"S={servers} N={n:,}: {len(dep.hosts)} host processes, every rollout past its first turn after "
             f"{setup_s:.0f} s (not timed)")
         gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, connections=actor_pool)
+        # staged pauses: variant -> (its actor, each pause's times, counts and CPU seconds)
+        variants: dict[str, tuple[NemoGym, list[tuple[dict[str, float], dict[str, int], dict[str, float]]]]] = {}
+        if staging is not None:
+            variants["staged"] = (gym, [])
+        if alongside:
+            variants["alongside"] = (NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, connections=actor_pool,
+                                             commit_order="resources_alongside"), [])
         pauses: list[tuple[dict[str, float], dict[str, int]]] = []
-        staged: list[tuple[dict[str, float], dict[str, int]]] = []
-        cpu: dict[str, list[dict[str, float]]] = {"draft": [], "staged": []}  # CPU seconds of each pause's steps
+        cpu_draft: list[dict[str, float]] = []  # CPU seconds of each pause's steps
         host_pids = [h.pid for h in dep.hosts]
 
         def servers_cpu() -> float:
@@ -468,6 +480,8 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         pause_failures: list[str] = []
         try:
             topology = await gym.discover_checkpoint_capabilities()  # once, before the pauses (as the controller)
+            if alongside:
+                await variants["alongside"][0].discover_checkpoint_capabilities()
             for rep in range(repeats):
                 if rep and over(0.5):
                     log(f"S={servers} N={n:,}: {rep} pause(s) used half the point's {budget_s:.0f} s budget: no more")
@@ -475,17 +489,20 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                 if rep:
                     await asyncio.sleep(RUN_BETWEEN_S)  # the resumed rollouts run on: a live system is paused
                 ck_try = f"scale-{tag}-{rep}"
+                this_rep: dict[str, tuple[dict[str, float], dict[str, int], dict[str, float]]] = {}
                 try:
                     times, cpu_s, counts, published, parts = await pause_once(
                         gym, store, store_root, topology.fingerprint, ck_try,
                         servers_cpu=servers_cpu)
                     ck = ck_try  # the checkpoint of the snapshot the restores take, as soon as it is published
-                    if staging is not None:
+                    ck_counts = counts  # and its pause's counts
+                    for name in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
                         await asyncio.sleep(RUN_BETWEEN_S)
-                        staged_times, staged_cpu, staged_counts, published, parts = await pause_once(
-                            gym, store, store_root, topology.fingerprint, f"{ck_try}-staged", staging,
+                        v_times, v_cpu, v_counts, published, parts = await pause_once(
+                            variants[name][0], store, store_root, topology.fingerprint, f"{ck_try}-{name}", staging,
                             servers_cpu=servers_cpu)
-                        ck = f"{ck_try}-staged"
+                        ck, ck_counts = f"{ck_try}-{name}", v_counts
+                        this_rep[name] = (v_times, v_counts, v_cpu)
                 except Exception as exc:  # the pauses measured so far still count
                     if not pauses:
                         raise
@@ -493,19 +510,20 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                     log(f"S={servers} N={n:,} {pause_failures[-1]}; restoring the last published snapshot")
                     break
                 pauses.append((times, counts))
-                cpu["draft"].append(cpu_s)
+                cpu_draft.append(cpu_s)
                 log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}: {_pause_line(times)}; servers' CPU in the "
                     f"pause {cpu_s['pause_total_servers']:.2f} s; parked {counts['agent_commit_parked']:,}/{n:,}")
-                if staging is not None:
-                    staged.append((staged_times, staged_counts))
-                    cpu["staged"].append(staged_cpu)
-                    log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}, staged in {staging}: "
-                        f"{_pause_line(staged_times)}; servers' CPU in the pause "
-                        f"{staged_cpu['pause_total_servers']:.2f} s")
+                for name, (v_times, v_counts, v_cpu) in this_rep.items():
+                    variants[name][1].append((v_times, v_counts, v_cpu))
+                    log(f"S={servers} N={n:,} pause {rep + 1}/{repeats}, {name} in {staging}: "
+                        f"{_pause_line(v_times)}; servers' CPU in the pause {v_cpu['pause_total_servers']:.2f} s")
         finally:
             await gym.close()
+            if alongside:
+                await variants["alongside"][0].close()
     finally:
         dep.kill()  # the crash: every server of every host, SIGKILL
+    staged = [(t, c) for t, c, _ in variants["staged"][1]] if staging is not None else []
     # The disk's share: the same files with bare os calls, once per pause, into fresh folders as the
     # pauses wrote theirs (none removed in between: removals on this disk slow the creates after them).
     sizes = gym_file_sizes(published)
@@ -558,22 +576,29 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
               for k, _, _ in PHASES if k != "bare_files"} | {"bare_files": statistics.median(floors)}
     return {
         "servers": servers, "n": n, "repeats": len(pauses), "restore_repeats": len(restores), "hosts": len(dep.hosts),
-        "pauses": [{"times_s": t, "counts": c, "cpu_s": u} for (t, c), u in zip(pauses, cpu["draft"], strict=True)],
-        "median_cpu_s": _median_cpu(cpu["draft"]),
+        "pauses": [{"times_s": t, "counts": c, "cpu_s": u} for (t, c), u in zip(pauses, cpu_draft, strict=True)],
+        "median_cpu_s": _median_cpu(cpu_draft),
         "restores": [{"times_s": t, "counts": c} for t, c in restores],
         "bare_files_s": floors, "gym_files": len(sizes), "gym_file_bytes": sum(sizes.values()),
         "median_s": median,
         "median_bytes": statistics.median(c["snapshot_bytes"] for _, c in pauses),
-        # the last pause's (the staged one's, with the staging lever: the snapshot the restores took)
-        "counts": (staged[-1][1] if staged else pauses[-1][1]) | restores[-1][1] | {"requested": n},
+        # the pause's that published the snapshot the restores took (the last one)
+        "counts": ck_counts | restores[-1][1] | {"requested": n},
         "setup_s": round(setup_s, 1), "restart_s": [round(x, 1) for x in restart_s], "restore_failures": failures, "pause_failures": pause_failures,
-        "staged": None if staging is None else {
-            "root": str(staging), "filesystem": common.filesystem(staging),
-            "pauses": [{"times_s": t, "counts": c, "cpu_s": u} for (t, c), u in zip(staged, cpu["staged"], strict=True)],
-            "median_cpu_s": _median_cpu(cpu["staged"]),
-            "median_s": {k: statistics.median(t[k] for t, _ in staged) for k in staged[0][0]}
-            | {"bare_files": statistics.median(staged_floors)}},
+        "staged": None if staging is None else _variant(variants["staged"][1], staged_floors) | {
+            "root": str(staging), "filesystem": common.filesystem(staging)},
+        "alongside": _variant(variants["alongside"][1]) if alongside else None,
     }
+
+
+def _variant(measured: list[tuple[dict[str, float], dict[str, int], dict[str, float]]],
+             floors: list[float] | None = None) -> dict[str, Any]:
+    """One kind of staged pause's results: each pause's times, counts and CPU seconds, and the medians
+    (with the bare-files baseline's, given its ``floors``)."""
+    median = {k: statistics.median(t[k] for t, _, _ in measured) for k in measured[0][0]}
+    return {"pauses": [{"times_s": t, "counts": c, "cpu_s": u} for t, c, u in measured],
+            "median_cpu_s": _median_cpu([u for _, _, u in measured]),
+            "median_s": median | ({"bare_files": statistics.median(floors)} if floors else {})}
 
 
 def ram_staging() -> Path | None:
@@ -592,11 +617,12 @@ def _budget(budget_s: float | None) -> Callable[[float], bool]:
 
 def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, log: Log | None = None,
         workdir: Path | None = None, repeats: int | None = None, actor_pool: int | None = None,
-        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S) -> dict[str, Any]:
+        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S, alongside: bool = False) -> dict[str, Any]:
     """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``).
     ``actor_pool``: the NemoGym actor's HTTP pool size (default: sized to the servers). ``staging``:
     also pause with Gym's files staged there (see :func:`measure_point`; :func:`ram_staging` is the
-    RAM-backed default). ``budget_s``: a point of :data:`LARGE_N` rollouts or more stops repeating
+    RAM-backed default); ``alongside``: also pause staged with the resources servers committing
+    alongside (the commit-order lever; needs ``staging``). ``budget_s``: a point of :data:`LARGE_N` rollouts or more stops repeating
     once its pauses used half of it (its restores, all of it)."""
     if not points or any(s < 1 or n < s for s, n in points):
         raise ValueError(f"points: {points!r} (expected (servers >= 1, rollouts >= servers))")
@@ -618,7 +644,8 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
             try:
                 per_point.append(asyncio.run(measure_point(tmp / "hosts", token, token_file,
                                                            tmp / f"store-{servers}-{n}", servers, n, reps,
-                                                           f"s{servers}n{n}", log, budget, actor_pool, staging)))
+                                                           f"s{servers}n{n}", log, budget, actor_pool, staging,
+                                                           alongside)))
             except Exception as exc:  # noqa: BLE001 - reported; the other points still count
                 # What the host processes said (a host that died leaves its traceback there).
                 said = [f"{log_path.name}: {' | '.join(tail)}" for log_path in sorted((tmp / "hosts").glob("*.log"))
@@ -637,7 +664,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
     return {
         "points": [list(p) for p in points], "quick": quick, "turns": TURNS, "model_slow_ms": MODEL_SLOW_MS,
         "agent_open_calls": MAX_OPEN_CALLS, "max_hosts": MAX_HOSTS, "run_between_s": RUN_BETWEEN_S,
-        "staging": None if staging is None else str(staging),
+        "staging": None if staging is None else str(staging), "alongside": alongside,
         "phases": [{"key": k, "label": label, "includes": what} for k, label, what in PHASES],
         "per_point": per_point, "failed": failed,
         "machine": {"cores": os.cpu_count(), "load_average_start": load_start,
@@ -728,6 +755,50 @@ def staged_lines(result: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+#: The rows of the commit-order lever's table (keys of PHASES), in order.
+ALONGSIDE_ROWS = ("prepare", "commit", "commit_agent", "commit_model", "commit_resource", "resume", "pause_total")
+
+
+def alongside_lines(result: dict[str, Any]) -> list[str]:
+    """The commit-order lever's section: each point's staged pause in NeMo-RL's commit order against
+    the same repeats' staged pause with the resources servers committing alongside; empty when the
+    run did not measure it."""
+    pts = sorted((p for p in result["per_point"] if p.get("alongside")), key=lambda p: (p["n"], p["servers"]))
+    if not pts:
+        return []
+    labels = {k: label for k, label, _ in PHASES}
+    lines = [
+        "## Lever: the resources servers commit alongside (`NemoGym(commit_order=\"resources_alongside\")`)",
+        "",
+        "Each repeat paused staged twice more, 1 s apart, on the same live rollouts, the two swapping places "
+        "every repeat: once in NeMo-RL's commit order (agents, then the model, then the resources servers), once "
+        "with the resources servers committing at the same time as the agents and then the model "
+        "(`gymkit.gym_fleet.GymFleet`, `commit_order=\"resources_alongside\"`). CPU seconds are the servers'. "
+        "Medians (ms) of the same repeats.",
+        "",
+        "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: NeMo-RL's order | alongside" for p in pts) + " |",
+        "|---|" + "---:|---:|" * len(pts),
+    ]
+    for key in ALONGSIDE_ROWS:
+        bold = "**" if key.endswith("_total") else ""
+        cells = " | ".join(f"{_ms(p['staged']['median_s'].get(key))} | {_ms(p['alongside']['median_s'].get(key))}"
+                           for p in pts)
+        lines.append(f"| {bold}{'↳ ' if labels[key].startswith('  ') else ''}{labels[key].strip()}{bold} | {cells} |")
+    cpu = " | ".join(f"{p['staged']['median_cpu_s'].get('commit_servers', 0.0) * 1e3:,.0f} | "
+                     f"{p['alongside']['median_cpu_s'].get('commit_servers', 0.0) * 1e3:,.0f}" for p in pts)
+    lines += [f"| commit: servers' CPU | {cpu} |", ""]
+    for p in pts:
+        st, al = p["staged"]["median_s"], p["alongside"]["median_s"]
+        target = TARGETS.get((p["servers"], p["n"]))
+        verdict = "" if target is None else (f" Against the target of <= {target:g} s: "
+                                             f"**{'met' if al['pause_total'] <= target else 'NOT met'}**.")
+        lines.append(f"- ({p['servers']}, {p['n']:,}): alongside, the commit is {al['commit']:.2f} s = "
+                     f"{al['commit'] / st['commit']:.2f}x NeMo-RL's order ({st['commit']:.2f} s), and the pause "
+                     f"{al['pause_total']:.2f} s = {al['pause_total'] / st['pause_total']:.2f}x "
+                     f"({st['pause_total']:.2f} s).{verdict}")
+    return lines + [""]
+
+
 #: The steps of the CPU table, in order.
 CPU_ROWS = ("prepare", "commit", "resume", "pause_total")
 
@@ -780,7 +851,7 @@ def _counts_note(pts: list[dict[str, Any]]) -> str:
         # runs before the staged pauses kept their counts
         return ("The commit columns are the last pause into the draft's; the restore columns are the restores of "
                 "the staged snapshot published 1 s of rollouts later, so the model's calls differ.")
-    return ("The commit columns are the last pause's (the staged one, with the staging lever); the restore columns "
+    return ("The commit columns are the last pause's (a staged one, with the staging lever); the restore columns "
             "are the restores of the snapshot that pause published.")
 
 
@@ -832,7 +903,7 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
         cells = " | ".join(_ms(p["median_s"].get(key)) for p in pts)
         shown = f"↳ {label.strip()}" if label.startswith("  ") else label
         lines.append(f"| {bold}{shown}{bold} | {cells} |")
-    lines += ["", *staged_lines(r), *cpu_lines(r), "## What the servers reported (last repeat of each point)", "",
+    lines += ["", *staged_lines(r), *alongside_lines(r), *cpu_lines(r), "## What the servers reported (last repeat of each point)", "",
               _counts_note(pts), "",
               "| servers | rollouts | parked at prepare | sessions exported | agent commit records | model commit "
               "rollouts / calls | resources commit sessions | agent restore continuations | model restore calls | "
@@ -918,6 +989,9 @@ def main(argv: list[str] | None = None) -> int:
                    "connections (the size before issue 22 was 32, whatever the servers)")
     p.add_argument("--staging", type=Path, help="the staging lever: each repeat also pauses with Gym's files "
                    "staged in a folder under this directory (ControllerConfig.gym_staging 'always'; /dev/shm is RAM)")
+    p.add_argument("--commit-alongside", action="store_true", help="the commit-order lever (with --staging): each "
+                   "repeat also pauses staged with the resources servers committing alongside the agents and the "
+                   "model (NemoGym commit_order 'resources_alongside')")
     p.add_argument("--budget-s", type=float, default=LARGE_BUDGET_S, help=f"a point of {LARGE_N:,} rollouts or "
                    "more stops repeating once its pauses used half of this many seconds (default %(default)s)")
     p.add_argument("--render", type=Path, help="print the report of a saved result JSON (run.py's or a partial one)")
@@ -933,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     points = tuple(tuple(x) for x in opts.point) if opts.point else (QUICK_POINTS if opts.quick else FULL_POINTS)
     result = run(points, opts.quick, repeats=opts.repeats, actor_pool=opts.actor_pool,  # type: ignore[arg-type]
-                 staging=opts.staging, budget_s=opts.budget_s)
+                 staging=opts.staging, budget_s=opts.budget_s, alongside=opts.commit_alongside)
     if opts.json:
         opts.json.write_bytes(msgspec.json.encode(result))
     print(markdown(result))

@@ -11,7 +11,8 @@ The Single Controller never talks to Gym itself; it calls this actor (a Ray acto
   pause -> agents prepare (again on ``agent_prepare_incomplete``) -> resources prepare -> models
   polled until paused; on failure everyone called is resumed and dispatch reopens;
 - ``commit_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir)``: agents -> policy model (given
-  the agents' continuation indexes) -> resources, each writing its files into ``checkpoint_dir``;
+  the agents' continuation indexes) -> resources, each writing its files into ``checkpoint_dir``
+  (with ``commit_order="resources_alongside"``, resources at the same time as agents -> model);
 - ``restore_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir, source_checkpoint_id=None)``:
   models -> agents -> resources, all staying paused (dispatch frozen until the resume);
 - ``discard_restored_agent_continuations(checkpoint_id, deadline_ts, executions)``;
@@ -50,6 +51,7 @@ from gymkit.control_client import ControlCallError, error_code
 from gymkit.gym_fleet import (
     AbortResult,
     AcknowledgeResult,
+    CommitOrder,
     CommitResult,
     DiscardResult,
     GymFleet,
@@ -58,6 +60,7 @@ from gymkit.gym_fleet import (
     Server,
     StepResult,
     Topology,
+    checked_commit_order,
 )
 from schemas.control import CompletionReceipt
 
@@ -97,10 +100,12 @@ def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 
 class NemoGym:
     """Calls to a set of Gym servers, each control call authenticated with ``token``. ``connections``:
-    the HTTP pool's size (default :func:`pool_size` of the servers)."""
+    the HTTP pool's size (default :func:`pool_size` of the servers). ``commit_order``: NeMo-RL's
+    (default), or ``"resources_alongside"`` (:class:`gymkit.gym_fleet.GymFleet`)."""
 
     def __init__(self, servers: Mapping[str, str] | Sequence[str], token: str, *,
-                 control_timeout_s: float = CONTROL_TIMEOUT_S, connections: int | None = None) -> None:
+                 control_timeout_s: float = CONTROL_TIMEOUT_S, connections: int | None = None,
+                 commit_order: CommitOrder = "nemo_rl") -> None:
         if not servers:
             raise ValueError("NemoGym needs at least one Gym server")
         if connections is not None and connections < 1:
@@ -111,6 +116,7 @@ class NemoGym:
             else [u.rstrip("/") for u in servers])
         self._token = token
         self._control_timeout_s = control_timeout_s
+        self._commit_order = checked_commit_order(commit_order)
         self._http: httpx.AsyncClient | None = None
         self._fleet: GymFleet | None = None
         self._active_checkpoint_id: str | None = None  # dispatch is frozen while one is active
@@ -143,7 +149,8 @@ class NemoGym:
     async def discover_checkpoint_capabilities(self, server_names: list[str] | None = None) -> Topology:
         """Every server's capabilities (or only ``server_names``'), checked; the topology (NeMo-RL's
         contracts) and its fingerprint (bare hex)."""
-        fleet = GymFleet.connect(self._servers, self._token, self.http, control_timeout_s=self._control_timeout_s)
+        fleet = GymFleet.connect(self._servers, self._token, self.http, control_timeout_s=self._control_timeout_s,
+                                 commit_order=self._commit_order)
         topology = await fleet.discover(server_names)
         self._fleet = fleet
         return topology
@@ -287,9 +294,11 @@ class NemoGym:
         return out
 
 
-def remote(servers: Mapping[str, str] | Sequence[str], token: str, **options: Any) -> Any:
-    """The NemoGym actor on Ray (no CPU reserved: it waits on HTTP). Needs ``ray`` initialised."""
+def remote(servers: Mapping[str, str] | Sequence[str], token: str, *, commit_order: CommitOrder = "nemo_rl",
+           **options: Any) -> Any:
+    """The NemoGym actor on Ray (no CPU reserved: it waits on HTTP), with Ray's actor ``options``.
+    Needs ``ray`` initialised."""
     import ray
 
     servers = dict(servers) if isinstance(servers, Mapping) else list(servers)
-    return ray.remote(NemoGym).options(num_cpus=0, **options).remote(servers, token)
+    return ray.remote(NemoGym).options(num_cpus=0, **options).remote(servers, token, commit_order=commit_order)

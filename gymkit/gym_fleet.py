@@ -26,7 +26,12 @@ server of the one before has answered (a failure fails the step once its sibling
   wait_state=paused&timeout_s=<time left>`` for the models not yet paused. On failure every
   participant it called (or began to call) is resumed (one whose own call failed may answer
   ``invalid_phase``: not a further failure), and the error raised.
-* commit: agents -> the policy model, given every agent's continuation index -> resources.
+* commit: agents -> the policy model, given every agent's continuation index -> resources
+  (``commit_order="nemo_rl"``, the default). ``commit_order="resources_alongside"`` commits the
+  resources servers at the same time as agents -> model: nothing orders them (every participant is
+  already prepared, so its state is frozen; the model reads only the agents' indexes; each writes
+  its own folder), and the pause then waits for the longer of the two chains, not their sum. A
+  failure still fails the step only once both chains have answered.
 * restore: models -> agents -> resources; with ``source_checkpoint_id`` each must report it.
 * resume: resources -> models -> agents, the design note's order ("opens what agents call
   first"). NeMo-RL's actor (``nemo_gym.py``, version not pinned, at the time of ``d595189f``)
@@ -47,7 +52,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import httpx
 import msgspec
@@ -74,6 +79,10 @@ PREPARE_ORDER = (MODELS, AGENTS, RESOURCES)
 COMMIT_ORDER = (AGENTS, MODELS, RESOURCES)
 RESTORE_ORDER = (MODELS, AGENTS, RESOURCES)
 RESUME_ORDER = (RESOURCES, MODELS, AGENTS)  # the design note's; also abort's
+#: ``GymFleet(commit_order=...)``: NeMo-RL's (agents -> model -> resources), or agents -> model with
+#: the resources servers committing alongside (see the module docstring).
+CommitOrder = Literal["nemo_rl", "resources_alongside"]
+COMMIT_ORDERS: tuple[str, ...] = get_args(CommitOrder)
 AGENT_PREPARE_RETRY_S = 0.1  # agent prepare is sent again at most this long after an agent_prepare_incomplete
 #: What an abort may be answered by a server that never began the checkpoint, or already ended it.
 ALREADY_ENDED = ("invalid_phase", "stale_checkpoint")
@@ -230,6 +239,13 @@ def _fleet_error(code: str, message: str, **kw: Any) -> ControlCallError:
     return ControlCallError(message, code=code, **kw)
 
 
+def checked_commit_order(order: str) -> CommitOrder:
+    """``order`` if it is one of :data:`COMMIT_ORDERS`, else a ``ValueError`` naming them."""
+    if order not in COMMIT_ORDERS:
+        raise ValueError(f"commit_order is {order!r}, expected one of {COMMIT_ORDERS}")
+    return order  # type: ignore[return-value]
+
+
 async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
     """Await all; then raise the first failure, if any (no sibling is left running behind it)."""
     results = await asyncio.gather(*coros, return_exceptions=True)
@@ -242,9 +258,11 @@ async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
 class GymFleet:
     """Every Gym server of a deployment (see the module docstring). :meth:`discover` comes first."""
 
-    def __init__(self, servers: Sequence[Server], *, control_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, servers: Sequence[Server], *, control_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 commit_order: CommitOrder = "nemo_rl") -> None:
         if not servers:
             raise ValueError("a Gym fleet needs at least one server")
+        self.commit_order = checked_commit_order(commit_order)
         self._configured = list(servers)
         self.servers: list[Server] = []  # the discovered participants, sorted by (component, server name)
         self.topology: Topology | None = None
@@ -256,14 +274,15 @@ class GymFleet:
 
     @classmethod
     def connect(cls, servers: Mapping[str, str] | Sequence[str], token: str, http: httpx.AsyncClient, *,
-                control_timeout_s: float = DEFAULT_TIMEOUT_S, **client_kw: Any) -> GymFleet:
+                control_timeout_s: float = DEFAULT_TIMEOUT_S, commit_order: CommitOrder = "nemo_rl",
+                **client_kw: Any) -> GymFleet:
         """``servers``: server name -> URL (Gym's top-level config keys), or a list of URLs."""
         if isinstance(servers, Mapping):
             entries = [(name, url) for name, url in sorted(servers.items())]
         else:
             entries = [(None, url) for url in servers]
         return cls([Server(name, AsyncControlClient(url, token, http, timeout=control_timeout_s, **client_kw))
-                    for name, url in entries], control_timeout_s=control_timeout_s)
+                    for name, url in entries], control_timeout_s=control_timeout_s, commit_order=commit_order)
 
     # -- discovery ------------------------------------------------------------------------------------
     async def discover(self, server_names: Iterable[str] | None = None) -> Topology:
@@ -443,16 +462,27 @@ class GymFleet:
         return status
 
     async def commit(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str) -> CommitResult:
-        """Agents, then the policy model (given every agent's continuation index), then resources, each
-        writing its files into ``checkpoint_dir``."""
+        """Agents, then the policy model (given every agent's continuation index), then resources
+        (or resources alongside: :attr:`commit_order`), each writing its files into ``checkpoint_dir``."""
         replies: dict[str, ParticipantReply] = {}
         agents = self.exporting(AGENTS)
-        await self._step(agents, replies, lambda s: s.client.agent.commit(checkpoint_id, deadline_ts, checkpoint_dir))
-        indexes = [replies[s.server_name].reply.continuation_index for s in agents]
-        await self._step(self.exporting(MODELS), replies,
-                         lambda s: s.client.model.commit(checkpoint_id, deadline_ts, checkpoint_dir, indexes))
-        await self._step(self.exporting(RESOURCES), replies,
-                         lambda s: s.client.resources.commit(checkpoint_id, deadline_ts, checkpoint_dir))
+
+        async def agents_then_model() -> None:
+            await self._step(agents, replies,
+                             lambda s: s.client.agent.commit(checkpoint_id, deadline_ts, checkpoint_dir))
+            indexes = [replies[s.server_name].reply.continuation_index for s in agents]
+            await self._step(self.exporting(MODELS), replies,
+                             lambda s: s.client.model.commit(checkpoint_id, deadline_ts, checkpoint_dir, indexes))
+
+        def resources() -> Awaitable[None]:
+            return self._step(self.exporting(RESOURCES), replies,
+                              lambda s: s.client.resources.commit(checkpoint_id, deadline_ts, checkpoint_dir))
+
+        if self.commit_order == "resources_alongside":
+            await _all([agents_then_model(), resources()])
+        else:
+            await agents_then_model()
+            await resources()
         order = [s for c in COMMIT_ORDER for s in self.exporting(c)]
         return CommitResult(checkpoint_id=checkpoint_id, checkpoint_dir=checkpoint_dir,
                             participants=[replies[s.server_name] for s in order])

@@ -1,6 +1,7 @@
 """A tiny run of the scale benchmark (issue 22 §2): 2 agent servers hosted in one process with their
-resources servers, a model in another, 40 rollouts, one pause into the draft and one staged (the
-staging lever), and one restore. Asserts what the servers did (every rollout parked, committed,
+resources servers, a model in another, 40 rollouts, one pause into the draft, one staged (the
+staging lever) and one staged with the resources servers committing alongside (the commit-order
+lever), and one restore. Asserts what the servers did (every rollout parked, committed,
 restored; the counts agree; the report and plot are written), never how fast."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ POINT = (2, 40)
 def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch",
-                          staging=staging)
+                          staging=staging, alongside=True)
 
     assert res["failed"] == [] and len(res["per_point"]) == 1
     p = res["per_point"][0]
@@ -50,10 +51,14 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     assert set(scale_bench.STAGED_ROWS) <= set(st["median_s"]) and all(st["median_s"][k] > 0
                                                                        for k in scale_bench.STAGED_ROWS), st
     assert not any(staging.iterdir())  # each staging folder removed after its publish, the baseline's too
+    al = p["alongside"]  # and once more through an actor committing the resources servers alongside
+    assert len(al["pauses"]) == 1 and set(scale_bench.ALONGSIDE_ROWS) <= set(al["median_s"])
+    ac = al["pauses"][0]["counts"]
+    assert ac["agent_commit_parked"] == ac["model_commit_rollouts"] == ac["resource_commit_sessions"] == n, ac
 
     # The CPU of each step was counted, for both kinds of pause: the servers worked in the prepare and the commit
     # (parking, writing Gym's files), and a step's CPU is part of its pause's.
-    for cpu in (p["median_cpu_s"], st["median_cpu_s"]):
+    for cpu in (p["median_cpu_s"], st["median_cpu_s"], al["median_cpu_s"]):
         assert {f"{k}_{w}" for k in scale_bench.CPU_ROWS for w in ("servers", "driver")} <= set(cpu), cpu
         assert cpu["prepare_servers"] > 0 and cpu["commit_servers"] > 0, cpu
         assert cpu["pause_total_servers"] >= cpu["commit_servers"] and cpu["pause_total_driver"] >= 0, cpu
@@ -63,6 +68,7 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     for _, label, _ in scale_bench.PHASES:
         assert label.strip() in md, label
     assert "## Lever: Gym's files staged in RAM" in md and "| 2 srv, 40: draft | staged |" in md
+    assert "## Lever: the resources servers commit alongside" in md and "NeMo-RL's order | alongside |" in md
     assert "## Where the pause's CPU goes" in md and "| 2 srv, 40: wall s | servers CPU s |" in md
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up
 

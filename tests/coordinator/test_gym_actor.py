@@ -25,8 +25,8 @@ MODELS, AGENTS, RESOURCES = "responses_api_models", "responses_api_agents", "res
 DEADLINE_S = 30.0
 
 
-def _nemo(gym, token: str) -> NemoGym:
-    return NemoGym(gym.urls, token)
+def _nemo(gym, token: str, **kw) -> NemoGym:
+    return NemoGym(gym.urls, token, **kw)
 
 
 def _phases(gym) -> dict[str, str]:
@@ -37,9 +37,12 @@ def _deadline() -> float:
     return time.time() + DEADLINE_S
 
 
-def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path: Path) -> None:
+@pytest.mark.parametrize("commit_order", ["nemo_rl", "resources_alongside"])
+def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path: Path, commit_order: str) -> None:
+    """In either commit order, every participant commits its folder and the reply lists them in
+    NeMo-RL's order (the resources server's commit, alongside, is adopted like any other)."""
     gym = fleet.gym(model_slow_ms=30)
-    nemo = _nemo(gym, fleet.token)
+    nemo = _nemo(gym, fleet.token, commit_order=commit_order)
 
     async def scenario():
         found = await nemo.discover_checkpoint_capabilities()
@@ -78,6 +81,11 @@ def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path: Path) -> Non
         await nemo.close()
 
     asyncio.run(scenario())
+
+
+def test_an_unknown_commit_order_is_refused_when_the_actor_is_made() -> None:
+    with pytest.raises(ValueError, match="commit_order is 'racing', expected one of"):
+        NemoGym(["http://127.0.0.1:1"], "token", commit_order="racing")  # type: ignore[arg-type]
 
 
 def test_acknowledgements_send_the_receipts_back_and_a_repeat_is_idempotent(fleet) -> None:

@@ -62,10 +62,11 @@ class Hosts(httpx.AsyncBaseTransport):
 
 
 def run(gyms: dict[str, FakeGym], scenario: Callable[[GymFleet], Awaitable[Any]], *, discover: bool = True,
-        urls: Any = None) -> Any:
+        urls: Any = None, **fleet_kw: Any) -> Any:
     async def main() -> Any:
         async with httpx.AsyncClient(transport=Hosts(gyms)) as http:
-            fleet = GymFleet.connect(urls if urls is not None else {n: f"http://{n}" for n in gyms}, TOKEN, http)
+            fleet = GymFleet.connect(urls if urls is not None else {n: f"http://{n}" for n in gyms}, TOKEN, http,
+                                     **fleet_kw)
             if discover:
                 await fleet.discover()
             return await scenario(fleet)
@@ -144,6 +145,60 @@ def test_prepare_commit_and_resume_in_nemo_rls_orders() -> None:
     run(gyms, scenario)
     for bystander in ("judge", "bystander", "web"):  # auxiliary, restart_only, stateless: never called
         assert [s.route for s in gyms[bystander].calls()] == ["capabilities"]
+
+
+def _slow(gym: FakeGym, route: str, delay_s: float, answer: tuple[int, Any] | None = None) -> None:
+    """``gym`` answers its next ``route`` call after ``delay_s``: with ``answer``, else its default."""
+    gym.queue(route, lambda p: (*(answer or (200, gym.default(route, p))), delay_s))
+
+
+def test_resources_alongside_commits_the_resources_while_the_agents_and_then_the_model_commit() -> None:
+    gyms = servers()
+    log = gyms["policy"].log
+    _slow(gyms["agent0"], "agent-checkpoint/commit", 0.4)
+
+    async def scenario(fleet: GymFleet) -> None:
+        commit = await fleet.commit("c1", time.time() + 30, "/snap/draft/gym")
+        got = calls(log)
+        assert sorted(got[:3]) == [("agent0", "agent-checkpoint/commit"), ("agent1", "agent-checkpoint/commit"),
+                                   ("tools", "resources-checkpoint/commit")]
+        assert got[3:] == [("policy", "model-checkpoint/commit")]  # still after every agent's answer
+        (agent0,), (tools,) = (gyms[s].calls(r) for s, r in [("agent0", "agent-checkpoint/commit"),
+                                                                   ("tools", "resources-checkpoint/commit")])
+        assert tools.at - agent0.at < 0.3  # sent before the slow agent answered, not after the model
+        (model_commit,) = gyms["policy"].calls("model-checkpoint/commit")
+        assert len(model_commit.json["continuation_indexes"]) == 2
+        assert [(p.component, p.name) for p in commit.participants] == [
+            (AGENTS, "agent0"), (AGENTS, "agent1"), (MODELS, "policy"), (RESOURCES, "tools")]
+
+    run(gyms, scenario, commit_order="resources_alongside")
+
+
+@pytest.mark.parametrize("failing", ["agent0", "tools"])
+def test_resources_alongside_raises_a_failure_only_once_both_chains_have_answered(failing: str) -> None:
+    gyms = servers()
+    log = gyms["policy"].log
+    route = "agent-checkpoint/commit" if failing == "agent0" else "resources-checkpoint/commit"
+    _slow(gyms[failing], route, 0.2, refusal("control_error", "disk gone"))
+    _slow(gyms["agent1" if failing == "tools" else "tools"],
+          "agent-checkpoint/commit" if failing == "tools" else "resources-checkpoint/commit", 0.4)
+
+    async def scenario(fleet: GymFleet) -> None:
+        with pytest.raises(ControlCallError) as err:
+            await fleet.commit("c1", time.time() + 30, "/snap/draft/gym")
+        assert (err.value.code, err.value.name) == ("control_error", failing)
+        sent = {c for c in calls(log)}
+        # The other chain ran to its end: resources committed although an agent failed; the model
+        # committed (after both agents) although the resources server failed.
+        assert ("tools", "resources-checkpoint/commit") in sent
+        assert (("policy", "model-checkpoint/commit") in sent) == (failing == "tools")
+
+    run(gyms, scenario, commit_order="resources_alongside")
+
+
+def test_an_unknown_commit_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="commit_order is 'parallel', expected one of"):
+        GymFleet([object()], commit_order="parallel")  # type: ignore[list-item, arg-type]
 
 
 def test_restore_checks_the_source_and_discard_goes_to_every_agent_for_every_execution() -> None:
