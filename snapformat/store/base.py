@@ -8,10 +8,12 @@ provide durable writes and one atomic primitive, :meth:`Store.create_exclusive`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
 import msgspec
+
+from schemas.errors import CommitConflictError
 
 
 class ObjectInfo(msgspec.Struct, frozen=True):
@@ -104,6 +106,25 @@ class Store(abc.ABC):
         raise :class:`~schemas.errors.CommitConflictError`. Any other failure raises
         :class:`~schemas.errors.StoreError` (never a conflict). Durable when it returns.
         """
+
+    def create_exclusive_many(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
+        """:meth:`create_exclusive` of each ``(key, data)``; returns the keys that already existed
+        (each left as it was, where :meth:`create_exclusive` would raise
+        :class:`~schemas.errors.CommitConflictError`), in the order given. Every key it created is
+        durable when it returns; a failure raises :class:`~schemas.errors.StoreError` and may leave
+        some of the keys created (each whole: a key is only ever created with all its bytes).
+
+        For many small objects at once (a Gym folder adopted into a draft): a backend may make
+        them durable together (local disk: each folder fsynced once, not once per file). This
+        default creates them one by one.
+        """
+        conflicts = []
+        for key, data in items:
+            try:
+                self.create_exclusive(key, data)
+            except CommitConflictError:
+                conflicts.append(key)
+        return conflicts
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
 from snapformat.store.base import ObjectInfo, Store
@@ -50,6 +50,11 @@ class CountingStore(Store):
     def create_exclusive(self, key: str, data: bytes) -> None:
         self._count("create_exclusive")
         self.inner.create_exclusive(key, data)
+
+    def create_exclusive_many(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
+        for _ in items:  # one create per object, as a remote store sends them
+            self._count("create_exclusive")
+        return self.inner.create_exclusive_many(items)
 
     def exists(self, key: str) -> bool:
         self._count("exists")

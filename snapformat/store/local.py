@@ -14,7 +14,7 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -252,25 +252,45 @@ class LocalStore(Store):
             raise _io_error(self.display(key), "write", exc) from exc
 
     def create_exclusive(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        try:
-            tmp, created = self._write_tmp(key, path.parent, data)
-        except OSError as exc:
-            raise _io_error(self.display(key), "write", exc) from exc
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise CommitConflictError(f"{self.display(key)} already exists: another writer committed first") from None
-        except OSError as exc:
-            raise _io_error(self.display(key), "commit", exc) from exc
-        finally:
-            _unlink_quietly(tmp)
-        try:
-            _fsync_dir(path.parent)
-            for d in created:
-                _fsync_dir(d.parent)
-        except OSError as exc:
-            raise _io_error(self.display(key), "make the commit durable", exc) from exc
+        if self.create_exclusive_many([(key, data)]):
+            raise CommitConflictError(f"{self.display(key)} already exists: another writer committed first")
+
+    def create_exclusive_many(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
+        """Per folder: for each key, its bytes written to a temporary file beside it and fsynced,
+        then ``os.link``ed to the key (``EEXIST``: a conflict, nothing written), the temporary
+        removed; then the folder fsynced once, and each folder it created in its parent. *Crash:*
+        keys already linked hold all their bytes (linked only once fsynced), but their names may
+        not survive a power loss until the folder's fsync; temporary ``.tmp-*`` files may be left
+        (GC sweeps them). A caller that lists the keys somewhere (a part manifest) does so only
+        after this returns."""
+        conflicts: list[str] = []
+        by_folder: dict[Path, list[tuple[str, Path, bytes]]] = {}
+        for key, data in items:
+            path = self._path(key)
+            by_folder.setdefault(path.parent, []).append((key, path, data))
+        for folder, entries in by_folder.items():
+            created: list[Path] = []
+            for key, path, data in entries:
+                try:
+                    tmp, made = self._write_tmp(key, folder, data)
+                except OSError as exc:
+                    raise _io_error(self.display(key), "write", exc) from exc
+                created += made
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    conflicts.append(key)
+                except OSError as exc:
+                    raise _io_error(self.display(key), "commit", exc) from exc
+                finally:
+                    _unlink_quietly(tmp)
+            try:
+                _fsync_dir(folder)
+                for d in created:
+                    _fsync_dir(d.parent)
+            except OSError as exc:
+                raise _io_error(self.display(entries[-1][0]), "make the commit durable", exc) from exc
+        return conflicts
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

@@ -160,6 +160,42 @@ def test_large_files_are_streamed_and_an_interrupted_adoption_can_be_repeated(tm
         adopt_part(other.url, str(staging / "resources/tools"), "gym/resources/tools")
 
 
+def test_small_files_are_created_in_bounded_batches_keeping_what_an_earlier_run_created(
+        tmp_path: Path, monkeypatch) -> None:
+    from snapformat import adopt
+    from snapformat.store import LocalStore
+
+    staging = tmp_path / "staging"
+    write_gym_files(staging, n=20)
+    folder = staging / "model-ledger/policy0"  # 20 lineage files, the references and the manifest
+    names = sorted(snapshot_files(folder))
+    monkeypatch.setattr(adopt, "BATCH_FILES", 3)
+    monkeypatch.setattr(adopt, "BATCH_BYTES", 60)  # a lineage file is ~20 bytes: some batches end on bytes
+    batches: list[list[str]] = []
+    real = LocalStore.create_exclusive_many
+
+    def recording(self: LocalStore, items):  # type: ignore[no-untyped-def]
+        batches.append([k for k, _ in items])
+        return real(self, items)
+
+    store = SnapshotStore(str(tmp_path / "store"))
+    draft = store.begin()
+    monkeypatch.setattr(LocalStore, "create_exclusive_many", recording)
+    target = Path(draft.url) / "gym/model-ledger/policy0"
+    target.mkdir(parents=True)
+    for name in names[:4]:  # as if an earlier adoption had died after creating these
+        (target / name).write_bytes((folder / name).read_bytes())
+    receipt = adopt_part(draft.url, str(folder), "gym/model-ledger/policy0")
+    created = [k.rsplit("/", 1)[-1] for batch in batches for k in batch]
+    assert sorted(created[:-1]) == names and created[-1] == "part-manifest.json"  # each file once, then the part's
+    assert all(len(b) <= 3 for b in batches) and any(len(b) < 3 for b in batches[:-1])
+    sizes = {n: (folder / n).stat().st_size for n in names}
+    assert all(len(b) == 1 or sum(sizes[k.rsplit("/", 1)[-1]] for k in b) <= 60 for b in batches[:-1])
+    published = draft.publish(receipts=[receipt])
+    assert {k: v for k, v in snapshot_files(Path(published.url) / "gym/model-ledger/policy0").items()
+            if k != "part-manifest.json"} == snapshot_files(folder)
+
+
 def test_bytes_that_change_after_the_check_are_refused(tmp_path: Path) -> None:
     from snapformat import adopt
     from snapformat.gym_dir import scan_file
@@ -171,6 +207,8 @@ def test_bytes_that_change_after_the_check_are_refused(tmp_path: Path) -> None:
     store = open_store(str(tmp_path / "store"))
     with pytest.raises(CorruptSnapshotError, match="changed while it was being adopted"):
         adopt._create(store, "k/f.jsonl", path, facts)
+    with pytest.raises(CorruptSnapshotError, match="changed while it was being adopted"):
+        adopt._create_batch(store, [("k/f.jsonl", path, facts)])
     path.write_bytes(b'{"a":1}\n' * 3000000)
     big = scan_file(path)
     with open(path, "r+b") as fh:

@@ -100,6 +100,19 @@ class StoreConformance:
                 t.join(timeout=60)
             assert Counter(outcomes) == {"won": 1, "lost": 15}
 
+    def test_create_exclusive_many_creates_the_new_keys_and_leaves_the_others(self, store: Store) -> None:
+        store.create_exclusive("many/a/2.json", b"there before")
+        items = [(f"many/{folder}/{i}.json", f"{folder}{i}".encode()) for folder in ("a", "b/c") for i in range(4)]
+        assert store.create_exclusive_many(items) == ["many/a/2.json"]  # the one that existed, untouched
+        assert store.read_bytes("many/a/2.json") == b"there before"
+        for key, data in items:
+            if key != "many/a/2.json":
+                assert store.read_bytes(key) == data
+        assert store.create_exclusive_many(items[:2]) == [k for k, _ in items[:2]]  # every one existed now
+        assert store.create_exclusive_many([]) == []
+        # nothing but the keys: no temporary file is left beside them
+        assert sorted(o.key for o in store.walk("many")) == sorted(k for k, _ in items)
+
     def test_list_walk_delete(self, store: Store) -> None:
         for key in ("d/x/1", "d/x/2", "d/y", "e"):
             store.put_bytes(key, b"v")
