@@ -19,9 +19,10 @@ is handed (CONTROL.md §6). :func:`adopt_part` makes one such folder one part of
    folder is fsynced once, not once per file), a larger file streamed after a look that the key is
    free; :data:`UPLOAD_THREADS` batches or files at a time (:data:`LOCAL_THREADS` on local disk,
    where more threads only contend). A key that already holds the same bytes (an earlier,
-   interrupted adoption) is kept, one with other bytes refused. Bytes that changed since step 1
-   are refused. *Crash: files no part manifest lists; GC sweeps them with the draft if it is never
-   published, and adopting the folder again keeps those already whole.*
+   interrupted adoption) is kept, one with other bytes refused, and the temporary files it left
+   are removed first. Bytes that changed since step 1 are refused. *Crash: files no part manifest
+   lists; GC sweeps them with the draft if it is never published, and adopting the folder again
+   keeps those already whole.*
 4. Create ``<prefix>/part-manifest.json`` (create-only) listing every file as kind ``gym_file``
    with its size, checksum and records, and return the :class:`PartReceipt` for the publisher. A
    part manifest already there with the same files (a repeated adoption) gives the same receipt.
@@ -51,6 +52,7 @@ from snapformat import jsonl, layout
 from snapformat.checksum import checksum_bytes, checksum_stream, new_hasher
 from snapformat.gym_dir import (
     MAX_MANIFEST_BYTES,
+    TEMP_PREFIX,
     FileFacts,
     GymFolder,
     atomic_write_chunks,
@@ -149,6 +151,7 @@ def _copy_in(store: Store, snapshot_id: str, prefix: str, folder: Path, facts: d
     many small files: on local disk they go in batches; remotely each is its own request anyway, so
     each is its own job, to keep as many in flight as there are threads."""
     local = store.local_path(layout.file_key(snapshot_id, prefix)) is not None
+    _sweep_temporaries(store, layout.file_key(snapshot_id, prefix))
     files = [(layout.file_key(snapshot_id, f"{prefix}/{name}"), folder / name, f) for name, f in facts.items()]
     small = [item for item in files if 0 < item[2].size <= WHOLE_UPLOAD_MAX]
     large = [item for item in files if not 0 < item[2].size <= WHOLE_UPLOAD_MAX]
@@ -157,6 +160,15 @@ def _copy_in(store: Store, snapshot_id: str, prefix: str, folder: Path, facts: d
         futures += [pool.submit(_create_batch, store, batch) for batch in _batches(small, BATCH_FILES if local else 1)]
         for future in futures:
             future.result()
+
+
+def _sweep_temporaries(store: Store, part_key: str) -> None:
+    """Remove the temporary files an interrupted adoption of this part left in the draft (a local
+    store's create-only writes go through ``.tmp-*`` files beside the keys). Each part has one
+    writer, so nothing else writes there; an object store leaves none."""
+    for info in store.walk(part_key):
+        if info.key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
+            store.delete(info.key)
 
 
 def _batches(files: list[tuple[str, Path, FileFacts]], most: int) -> Iterator[list[tuple[str, Path, FileFacts]]]:

@@ -7,9 +7,9 @@ SIGKILLed after a random delay, in the middle of copying. After every kill:
 - nothing is listed (a draft is never a snapshot);
 - every file the child had already created holds its staged bytes, whole;
 - adopting the same folder again (this process) keeps those files, creates the rest, and the draft
-  publishes a snapshot that verifies, its Gym files byte-equal to the staged ones; at most one
-  temporary file per adopting thread is left beside them (unlisted; GC does not look inside a
-  published snapshot's folder).
+  publishes a snapshot that verifies, its Gym files byte-equal to the staged ones and nothing
+  else (the temporary files the kill left are removed: GC does not look inside a published
+  snapshot's folder).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from snapformat import SnapshotStore, layout, verify_snapshot
-from snapformat.adopt import LOCAL_THREADS, adopt_gym_dir
+from snapformat.adopt import adopt_gym_dir
 from tests.snapformat.test_adopt import snapshot_files, write_gym_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,7 @@ def test_a_copy_killed_at_any_point_is_finished_by_adopting_again(tmp_path: Path
     staged = {k: v for k, v in snapshot_files(staging).items()}
     copy_s = _copy_seconds(tmp_path, staging)
     partial = 0  # kills that left some of the files copied, not all
+    temps = 0  # temporary files the kills left
     for run in range(KILLS):
         path = tmp_path / f"store-{run}"
         store = SnapshotStore(str(path))
@@ -87,15 +88,14 @@ def test_a_copy_killed_at_any_point_is_finished_by_adopting_again(tmp_path: Path
                 assert data == staged[name], f"run {run}: {name} differs from the staged file"
         partial += 0 < len(copied) < len(staged)
 
-        receipts = adopt_gym_dir(draft.url, str(staging), writer="host-b")
-        published = draft.publish(receipts=receipts)
+        temps += len(list(gym.rglob(".tmp-*"))) if gym.exists() else 0
+        published = draft.publish(receipts=adopt_gym_dir(draft.url, str(staging), writer="host-b"))
         assert verify_snapshot(store.open(published.commit.sequence)).ok
-        files = snapshot_files(Path(published.url) / layout.GYM_PREFIX)
-        # The kill may leave a temporary file per adopting thread beside the copied files (written,
-        # not yet linked or not yet removed); no part manifest lists one, so readers never see it.
-        temps = [k for k in files if k.rsplit("/", 1)[-1].startswith(".tmp-")]
-        assert len(temps) <= LOCAL_THREADS, f"run {run}: {len(temps)} temporary files left"
-        theirs = {k: v for k, v in files.items() if k not in temps and not k.endswith(layout.PART_MANIFEST_NAME)}
+        # The temporary files the kill left (written, not yet linked or not yet removed) are gone
+        # too: adopting again removed them before it copied.
+        theirs = {k: v for k, v in snapshot_files(Path(published.url) / layout.GYM_PREFIX).items()
+                  if not k.endswith(layout.PART_MANIFEST_NAME)}
         assert theirs == staged, f"run {run}: the published Gym files differ from the staged ones"
     # Guards against the test degenerating (a much faster copy): most kills land mid-copy.
     assert partial >= KILLS // 2, f"only {partial} of {KILLS} kills landed while files were being copied"
+    assert temps, "no kill left a temporary file: the sweep before copying was not exercised"
