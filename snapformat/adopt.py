@@ -151,7 +151,8 @@ def _copy_in(store: Store, snapshot_id: str, prefix: str, folder: Path, facts: d
     many small files: on local disk they go in batches; remotely each is its own request anyway, so
     each is its own job, to keep as many in flight as there are threads."""
     local = store.local_path(layout.file_key(snapshot_id, prefix)) is not None
-    _sweep_temporaries(store, layout.file_key(snapshot_id, prefix))
+    if local:  # an object store's create-only write leaves no temporary file (and a look costs a request)
+        _sweep_temporaries(store, layout.file_key(snapshot_id, prefix))
     files = [(layout.file_key(snapshot_id, f"{prefix}/{name}"), folder / name, f) for name, f in facts.items()]
     small = [item for item in files if 0 < item[2].size <= WHOLE_UPLOAD_MAX]
     large = [item for item in files if not 0 < item[2].size <= WHOLE_UPLOAD_MAX]
@@ -163,9 +164,9 @@ def _copy_in(store: Store, snapshot_id: str, prefix: str, folder: Path, facts: d
 
 
 def _sweep_temporaries(store: Store, part_key: str) -> None:
-    """Remove the temporary files an interrupted adoption of this part left in the draft (a local
-    store's create-only writes go through ``.tmp-*`` files beside the keys). Each part has one
-    writer, so nothing else writes there; an object store leaves none."""
+    """Remove the temporary files an interrupted adoption of this part left in a local draft (a
+    local store's create-only writes go through ``.tmp-*`` files beside the keys). Each part has
+    one writer, so nothing else writes there."""
     for info in store.walk(part_key):
         if info.key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
             store.delete(info.key)

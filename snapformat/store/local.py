@@ -312,7 +312,7 @@ class LocalStore(Store):
             for key, _, data in entries:
                 tmp = folder / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
                 try:
-                    fds.append(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    fds.append(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # as open(..., "xb")
                     temps.append(tmp)
                     _write_all(fds[-1], data)
                 except OSError as exc:
