@@ -103,7 +103,10 @@ class ServerProcess:
         """SIGKILL this server (a crash: nothing is flushed or closed) and wait until it is gone."""
         if not self.alive():
             return
-        os.kill(self.pid, signal.SIGKILL)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # it ended between the look and the kill (a job's crash takes its servers down too)
         if self.popen is not None:
             self.popen.wait(timeout=timeout)
             return
