@@ -62,7 +62,7 @@ def _copy_seconds(tmp_path: Path, staging: Path) -> float:
 
 def test_a_copy_killed_at_any_point_is_finished_by_adopting_again(tmp_path: Path, staging: Path) -> None:
     rng = random.Random(0xAD0B7)
-    staged = {k: v for k, v in snapshot_files(staging).items()}
+    staged = snapshot_files(staging)
     copy_s = _copy_seconds(tmp_path, staging)
     partial = 0  # kills that left some of the files copied, not all
     temps = 0  # temporary files the kills left
