@@ -105,11 +105,11 @@ from snapformat.gym_dir import (
     document_bytes,
     jsonl_bytes,
     sha256_hex,
-    tar_bytes,
     write_jsonl,
     write_manifest,
 )
 from snapformat.reader import Snapshot, open_sequence
+from snapformat.tar_archive import tar_bytes
 from snapformat.token_rows import batch_entries
 
 AGENT, MODEL, RESOURCE = "agent0", "policy0", "tools"

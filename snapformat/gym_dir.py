@@ -21,7 +21,7 @@ lies (a staging folder, a draft). Nothing here imports gymkit: ``gymkit.checkpoi
 these files and reuses these checks to read them.
 
 The bytes themselves are built here too, once (:func:`jsonl_bytes`, :func:`document_bytes`,
-:func:`tar_bytes`, :func:`manifest_bytes`, :func:`continuation_roots`), and written so too: a
+:func:`~snapformat.tar_archive.tar_bytes`, :func:`manifest_bytes`, :func:`continuation_roots`), and written so too: a
 commit's data files together through :class:`DurableFiles` (each temp, fsync, rename, on a few
 threads; then each folder fsynced once), then the manifest (:func:`write_manifest`, one
 :func:`atomic_write`), CONTROL §6.2. gymkit's writers and the example store's writer
@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
-import tarfile
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -73,6 +71,7 @@ from snapformat.checksum import new_hasher
 from snapformat.jsonl import decoder
 from snapformat.layout import GYM_PREFIX
 from snapformat.mounts import mount_of
+from snapformat.tar_archive import read_members
 
 GymComponent = Literal["agent", "ledger", "resources"]
 GymManifest = AgentManifest | LedgerManifest | ResourcesManifest
@@ -106,6 +105,8 @@ class FileFacts(msgspec.Struct, frozen=True, kw_only=True):
     members: int | None
     #: A part manifest's ``records`` for the file (:func:`count_records`).
     records: int
+    #: The bytes read, if the scan was asked to keep them (a reader that decodes the file next).
+    data: bytes | None = None
 
 
 JSONL_SUFFIX = ".jsonl"
@@ -121,14 +122,16 @@ def count_records(name: str, lines: int | None, members: int | None) -> int:
     return 1
 
 
-def scan_file(path: Path) -> FileFacts:
+def scan_file(path: Path, *, keep: bool = False) -> FileFacts:
     """Size, SHA-256, the store's checksum, non-blank lines (a ``.jsonl``) and archive members (a
-    ``.tar``) of ``path``, in one read (plus the tar headers for an archive)."""
+    ``.tar``) of ``path``, in one read (plus the tar headers for an archive); with ``keep``, the
+    bytes read too."""
     sha, xxh = hashlib.sha256(), new_hasher()
     size, lines = 0, 0
     archive = path.name.endswith(".tar")
     counted = path.name.endswith(JSONL_SUFFIX)  # only a JSON-lines file's lines are records
     unfinished = False  # the last line of the chunks so far has a non-blank byte and no b"\n" yet
+    kept: list[bytes] = []  # an archive's chunks, whose members are counted from the same read
     try:
         with open(path, "rb") as fh:
             # Whole chunks hashed at once: hashing line by line cost a restore of 10,000 rollouts most
@@ -140,15 +143,19 @@ def scan_file(path: Path) -> FileFacts:
                 if counted:
                     done, unfinished = _non_blank_lines(chunk, unfinished)
                     lines += done
+                if archive or keep:
+                    kept.append(chunk)
     except FileNotFoundError:
         raise CorruptSnapshotError(f"{path}: missing") from None
     except OSError as exc:
         raise CorruptSnapshotError(f"{path}: cannot read: {exc}") from None
     lines += unfinished  # a last line without b"\n" counts too
-    members = len(tar_members(path)) if archive else None
+    data = b"".join(kept) if archive or keep else None
+    members = len(read_members(data, str(path))) if data is not None and archive else None
     return FileFacts(size=size, sha256=sha.hexdigest(), checksum=f"xxh128:{xxh.hexdigest()}",
                      lines=lines if counted else None, members=members,
-                     records=count_records(path.name, lines if counted else None, members))
+                     records=count_records(path.name, lines if counted else None, members),
+                     data=data if keep else None)
 
 
 def non_blank_lines(data: bytes) -> int:
@@ -205,45 +212,18 @@ def list_folder(folder: Path, skip: Iterable[str] = ()) -> list[str]:
     return sorted(names)
 
 
-def scan_folder(folder: Path, skip: Iterable[str] = ()) -> dict[str, FileFacts]:
+def scan_folder(folder: Path, skip: Iterable[str] = (), *, keep: bool = False) -> dict[str, FileFacts]:
     """:func:`scan_file` of every file :func:`list_folder` lists, by relative name."""
-    return {name: scan_file(folder / name) for name in list_folder(folder, skip)}
-
-
-def tar_members(path: Path) -> list[tarfile.TarInfo]:
-    """The members of an uncompressed tar archive; each a regular file with a safe name, once."""
-    try:
-        with tarfile.open(path, mode="r:") as tf:
-            members = tf.getmembers()
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise CorruptSnapshotError(f"{path}: not a readable tar archive ({exc})") from None
-    seen: set[str] = set()
-    for m in members:
-        if not m.isreg():
-            raise CorruptSnapshotError(f"{path}: member {m.name!r} is not a regular file (expected only record files)")
-        check_name(m.name, where=f"{path}: member name")
-        if m.name in seen:
-            raise CorruptSnapshotError(f"{path}: member {m.name!r} appears twice")
-        seen.add(m.name)
-    return members
+    return {name: scan_file(folder / name, keep=keep) for name in list_folder(folder, skip)}
 
 
 def read_tar_members(path: Path) -> dict[str, bytes]:
-    """Every member's bytes, by name (names checked as :func:`tar_members` does)."""
-    out: dict[str, bytes] = {}
+    """Every member's bytes of the archive at ``path``, by name (:func:`snapformat.tar_archive.read_members`)."""
     try:
-        with tarfile.open(path, mode="r:") as tf:
-            for m in tf.getmembers():
-                if not m.isreg():
-                    raise CorruptSnapshotError(f"{path}: member {m.name!r} is not a regular file")
-                check_name(m.name, where=f"{path}: member name")
-                if m.name in out:
-                    raise CorruptSnapshotError(f"{path}: member {m.name!r} appears twice")
-                fh = tf.extractfile(m)
-                out[m.name] = fh.read() if fh is not None else b""
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise CorruptSnapshotError(f"{path}: not a readable tar archive ({exc})") from None
-    return out
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CorruptSnapshotError(f"{path}: cannot read the archive: {exc}") from None
+    return read_members(data, str(path))
 
 
 # -- durable plain files --------------------------------------------------------------------------------------
@@ -582,68 +562,6 @@ def document_bytes(value: Any, *, sort_keys: bool, indent: int) -> bytes:
     return json.dumps(builtins, sort_keys=sort_keys, indent=indent).encode()
 
 
-#: tar's block and record (``tarfile.BLOCKSIZE``, ``tarfile.RECORDSIZE``: 20 blocks).
-_TAR_BLOCK = 512
-_TAR_RECORD = 20 * _TAR_BLOCK
-#: The fields of a member's ustar header around its name, size and checksum, as ``tarfile`` writes
-#: them for :func:`tar_bytes`' fixed headers: mode 0600, uid and gid 0 (each octal, NUL-ended) ...
-_USTAR_MODE_IDS = b"0000600\0" + b"0000000\0" * 2
-#: ... mtime 0, and after the checksum: a regular file, no link name, the POSIX magic "ustar\0" "00",
-#: empty user and group names and device numbers, no prefix, NULs to the end of the block.
-_USTAR_MTIME = b"00000000000\0"
-_USTAR_AFTER_CHKSUM = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * (32 + 32 + 8 + 8 + 155)).ljust(_TAR_BLOCK - 156, b"\0")
-#: What the checksum field (as 8 spaces) and the fields after it add to every header's checksum.
-_USTAR_FIXED_SUM = 8 * 32 + sum(_USTAR_AFTER_CHKSUM)
-
-
-def _ustar_header(name: bytes, size: int) -> bytes:
-    """One member's 512-byte ustar header, byte for byte what ``tarfile`` (PAX format) writes for a
-    name of at most 100 ASCII bytes and a size below 8**11 (no PAX header then). The checksum is the
-    sum of the header's bytes with its own field as 8 spaces, written as 6 octal digits, NUL, space."""
-    head = name.ljust(100, b"\0") + _USTAR_MODE_IDS + b"%011o\0" % size + _USTAR_MTIME
-    return head + b"%06o\0 " % (sum(head) + _USTAR_FIXED_SUM) + _USTAR_AFTER_CHKSUM
-
-
-def tar_bytes(members: Iterable[tuple[str, bytes]]) -> bytes:
-    """An uncompressed tar of ``(name, bytes)`` members whose headers are fixed (mode 0o600, mtime 0,
-    uid and gid 0, empty user and group names; a long name in a PAX header), so the same members
-    give the same bytes.
-
-    Members with short ASCII names (every archive member Gym's layout names) get their headers built
-    here, a join of bytes: ``tarfile`` builds each through dicts and a PAX check, a third of an agent's
-    commit at 1,000 records (``py-spy``). Any other member makes the whole archive ``tarfile``'s.
-    ``tests/snapformat/test_gym_dir.py`` compares the two on random members."""
-    members = list(members)
-    encoded = []
-    for name, data in members:
-        if not name.isascii() or len(name) > 100 or len(data) >= 8 ** 11:
-            return _tarfile_bytes(members)
-        encoded.append((name.encode("ascii"), data))
-    pieces: list[bytes] = []
-    offset = 0
-    for raw, data in encoded:
-        pad = -len(data) % _TAR_BLOCK
-        pieces += (_ustar_header(raw, len(data)), data, b"\0" * pad)
-        offset += _TAR_BLOCK + len(data) + pad
-    offset += 2 * _TAR_BLOCK  # the end-of-archive marker, then NULs to a whole record
-    pieces.append(b"\0" * (2 * _TAR_BLOCK + -offset % _TAR_RECORD))
-    return b"".join(pieces)
-
-
-def _tarfile_bytes(members: list[tuple[str, bytes]]) -> bytes:
-    """:func:`tar_bytes` written by ``tarfile`` (PAX format), for any member."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o600, 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.type = tarfile.REGTYPE
-            tf.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
 def manifest_bytes(manifest: GymManifest) -> tuple[bytes, str]:
     """A Gym manifest's bytes (sorted keys, its component's :data:`MANIFEST_INDENT`) and its
     ``manifest_digest`` (their SHA-256 hex)."""
@@ -821,14 +739,21 @@ def folder_of(component: str, manifest: GymManifest) -> str:
     return resources_dir(manifest.server_name)  # type: ignore[union-attr]
 
 
-def decode_strict(data: bytes, record_type: Any, where: str) -> Any:
-    """One JSON document or line as ``record_type`` (unknown fields refused), typed errors."""
+def decode_strict(data: bytes, record_type: Any, where: str | Callable[[], str]) -> Any:
+    """One JSON document or line as ``record_type`` (unknown fields refused), typed errors naming
+    ``where`` (or what it returns: a name built only for an error, where building it for every
+    record of a restore costs more than decoding it)."""
     try:
         return decoder(record_type).decode(data)  # one per type and process, built under a lock
     except msgspec.ValidationError as exc:
-        raise InvalidRecordError(f"{where}: {exc} (expected a {getattr(record_type, '__name__', record_type)})") from None
+        raise InvalidRecordError(f"{_named(where)}: {exc} (expected a {getattr(record_type, '__name__', record_type)})"
+                                 ) from None
     except _UNDECODABLE as exc:
-        raise CorruptSnapshotError(f"{where}: not valid JSON: {exc}") from None
+        raise CorruptSnapshotError(f"{_named(where)}: not valid JSON: {exc}") from None
+
+
+def _named(where: str | Callable[[], str]) -> str:
+    return where if isinstance(where, str) else where()
 
 
 def load_manifest(folder: Path, component: str | None = None) -> tuple[GymComponent, GymManifest, bytes]:
@@ -906,15 +831,19 @@ class GymFolder(msgspec.Struct, frozen=True, kw_only=True):
     manifest_digest: str
     #: Rows of ``agent-index.jsonl`` (agents only).
     index: list[AgentIndexEntry] = []
+    #: The checked bytes of every file of the folder, by name, if :func:`check_folder` was asked to
+    #: keep them: a reader decodes these instead of reading each file a second time.
+    files: dict[str, bytes] = {}
 
 
 def check_folder(folder: Path, *, component: str | None = None, base: str | None = None,
-                 facts: dict[str, FileFacts] | None = None) -> GymFolder:
+                 facts: dict[str, FileFacts] | None = None, keep: bool = False) -> GymFolder:
     """Check every promise of ``folder/manifest.json`` against the bytes of the folder's files.
 
     ``component`` (else recognised by the manifest's fields) and ``base``, the folder's place
     under ``checkpoint_dir`` when it is known (a part prefix ``gym/<base>``): it must equal the
-    folder the manifest names. ``facts`` are :func:`scan_folder`'s, when already computed.
+    folder the manifest names. ``facts`` are :func:`scan_folder`'s, when already computed; else the
+    folder is scanned, and with ``keep`` the checked bytes come back in :attr:`GymFolder.files`.
     """
     folder = Path(folder)
     component, manifest, data = load_manifest(folder, component)
@@ -924,7 +853,7 @@ def check_folder(folder: Path, *, component: str | None = None, base: str | None
         raise InvalidPathError(f"{where}: the manifest belongs in {named!r} of checkpoint_dir, but the folder is "
                                f"adopted as {base!r}")
     if facts is None:
-        facts = scan_folder(folder)
+        facts = scan_folder(folder, keep=keep)
     index: list[AgentIndexEntry] = []
     if component == "agent":
         index = _check_agent(folder, named, manifest, facts, where)  # type: ignore[arg-type]
@@ -934,7 +863,7 @@ def check_folder(folder: Path, *, component: str | None = None, base: str | None
         for name, digest in sorted(manifest.files.items()):  # type: ignore[union-attr]
             _check_digest(name, digest, facts, folder, f"{where}: files[{name!r}]")
     return GymFolder(component=component, base=named, manifest=manifest, manifest_digest=sha256_hex(data),
-                     index=index)
+                     index=index, files={name: f.data for name, f in facts.items() if f.data is not None})
 
 
 def _check_agent(folder: Path, base: str, manifest: AgentManifest, facts: dict[str, FileFacts],
@@ -1052,26 +981,40 @@ def read_rows(path: Path, row_type: Any, where: str | None = None) -> list[Any]:
 
 def _read_rows(path: Path, row_type: Any, where: str, ref: ArtifactRef | None) -> list[Any]:
     sha = hashlib.sha256()
-    size, records = 0, 0
+    size, records, n = 0, 0, 0
     rows: list[Any] = []
     failure: Exception | None = None
+    carry = b""  # the last line of the chunks so far, not ended by b"\n" yet
+
+    def take(lines: list[bytes]) -> None:
+        nonlocal n, records, failure
+        for line in lines:
+            n += 1
+            if not line.strip():
+                continue
+            records += 1
+            if failure is None:
+                try:
+                    rows.append(decode_strict(line, row_type, lambda n=n: f"{where}: line {n}"))
+                except (InvalidRecordError, CorruptSnapshotError) as exc:
+                    failure = exc  # reported after the digest: bytes first, then meaning
+
     try:
         with open(path, "rb") as fh:
-            for n, line in enumerate(fh, 1):
-                sha.update(line)
-                size += len(line)
-                if not line.strip():
-                    continue
-                records += 1
-                if failure is None:
-                    try:
-                        rows.append(decode_strict(line, row_type, f"{where}: line {n}"))
-                    except (InvalidRecordError, CorruptSnapshotError) as exc:
-                        failure = exc  # reported after the digest: bytes first, then meaning
+            # Whole chunks hashed and split at once: a line at a time (file iteration, a hash update and
+            # a size per line) was most of a resources server's read of the agents' indexes on restore.
+            while chunk := fh.read(_CHUNK):
+                sha.update(chunk)
+                size += len(chunk)
+                lines = (carry + chunk).split(b"\n")
+                carry = lines.pop()
+                take(lines)
     except FileNotFoundError:
         raise CorruptSnapshotError(f"{where}: missing") from None
     except OSError as exc:
         raise CorruptSnapshotError(f"{where}: cannot read: {exc}") from None
+    if carry:
+        take([carry])  # a last line without b"\n"
     if ref is not None:
         if size != ref.bytes:
             raise CorruptSnapshotError(f"{where}: bytes is {size}, the reference expects {ref.bytes}")

@@ -35,7 +35,8 @@ from schemas.gym_files import (
     agent_instance_dir,
 )
 from schemas.gym_records import AgentContinuationRoot
-from snapformat.gym_dir import list_folder, tar_bytes
+from snapformat.gym_dir import list_folder
+from snapformat.tar_archive import tar_bytes
 from tests.gym_record_strategies import IDS, REVISIONS, continuation_roots
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

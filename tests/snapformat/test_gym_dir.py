@@ -5,19 +5,17 @@ the whole builds, and a failing stream leaves no file behind."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.errors import InvalidPathError
-from schemas.gym_files import ExternalStorageReference
+from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError
+from schemas.gym_files import ArtifactRef, ExternalStorageReference
 from snapformat import gym_dir
 from snapformat.gym_dir import DurableFiles, JsonlChunks, continuation_roots_sha256, jsonl_bytes, write_jsonl
 from tests.gym_record_strategies import continuation_roots
@@ -102,21 +100,6 @@ def test_durable_files_take_str_paths_bare_names_and_removals(tmp_path: Path, mo
     assert sorted(fsynced) == sorted([".", str(tmp_path), str(tmp_path / "deep"), str(tmp_path / "deep" / "er")])
 
 
-@settings(max_examples=200, deadline=None)
-@given(members=st.lists(st.tuples(st.one_of(st.text(alphabet=st.characters(max_codepoint=127), min_size=1, max_size=110),
-                                            st.text(min_size=1, max_size=20)),
-                                  st.binary(max_size=2_000)), max_size=8))
-def test_tar_bytes_are_tarfiles_bytes_for_any_members(members: list[tuple[str, bytes]]) -> None:
-    # Headers built by hand for short ASCII names, tarfile's own for the rest: the same bytes either way,
-    # and tarfile reads every member back. A NUL ends a name in tar, and tarfile reads a name that ends in
-    # "/" as a folder's (without the "/"), so such names (never a Gym member's) are only compared as bytes.
-    built = gym_dir.tar_bytes(members)
-    assert built == gym_dir._tarfile_bytes(members)
-    assume(all("\x00" not in name and not name.endswith("/") for name, _ in members))
-    with tarfile.open(fileobj=io.BytesIO(built)) as tf:
-        assert [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()] == members
-
-
 @SETTINGS
 @given(data=st.binary(max_size=300) | st.lists(st.sampled_from([b"\n", b" ", b"\t", b"\r", b"\x0b", b"x", b"{}"]),
                                                max_size=60).map(b"".join),
@@ -134,6 +117,49 @@ def test_scan_file_counts_a_jsonl_files_non_blank_lines_across_any_chunks(tmp_pa
     assert facts.records == (expected if name.endswith(".jsonl") else 1)
     assert gym_dir.non_blank_lines(data) == expected  # the writers' count (a ledger's rows) is the same
     assert (facts.size, facts.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+ROW_LINES = st.sampled_from([b'{"schema_version":1,"capture_key":"k","boundary_model_call_id":"c","key":"s"}',
+                             b'{"capture_key":"k2","boundary_model_call_id":"c","key":"s"}', b"", b" ", b"\r", b"\x0b",
+                             b'{"capture_key":"k","key":"s"}', b'{"capture_key":1}', b"{", b"[]", b"{} {}", b"\xff"])
+
+
+def rows_a_line_at_a_time(path: Path, where: str) -> list[object]:
+    """The reading of a JSON-lines file that chunked reading must equal: each b"\n"-ended line (and a
+    last one without it), blank ones skipped, decoded strictly; the first failure raised."""
+    rows = []
+    with open(path, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                rows.append(gym_dir.decode_strict(line, ExternalStorageReference, f"{where}: line {n}"))
+    return rows
+
+
+@SETTINGS
+@given(lines=st.lists(ROW_LINES, max_size=12), ends=st.booleans(), chunk=st.integers(1, 40))
+def test_rows_read_in_chunks_are_the_rows_read_a_line_at_a_time(tmp_path_factory, monkeypatch, lines: list[bytes],
+                                                                 ends: bool, chunk: int) -> None:
+    # Lines cross chunks of any size; the same rows, or the same first error with its line number.
+    data = b"\n".join(lines) + (b"\n" if ends and lines else b"")
+    path = tmp_path_factory.mktemp("rows") / "refs.jsonl"
+    path.write_bytes(data)
+    monkeypatch.setattr(gym_dir, "_CHUNK", chunk)
+    try:
+        expected: object = rows_a_line_at_a_time(path, str(path))
+    except (InvalidRecordError, CorruptSnapshotError) as exc:
+        expected = (type(exc), str(exc))
+    try:
+        got: object = gym_dir.read_rows(path, ExternalStorageReference)
+    except (InvalidRecordError, CorruptSnapshotError) as exc:
+        got = (type(exc), str(exc))
+    assert got == expected
+    ref = ArtifactRef(relative_path="refs.jsonl", sha256=hashlib.sha256(data).hexdigest(),
+                      records=sum(1 for line in data.split(b"\n") if line.strip()), bytes=len(data))
+    if not isinstance(expected, tuple):  # a reference that holds reads the same rows; one record more does not
+        assert gym_dir.read_ref_rows(path.parent, ref, ExternalStorageReference) == expected
+        with pytest.raises(CorruptSnapshotError, match=r"non-blank lines, the reference's records expects"):
+            gym_dir.read_ref_rows(path.parent, msgspec.structs.replace(ref, records=ref.records + 1),
+                                  ExternalStorageReference)
 
 
 def test_list_folder_lists_plain_files_by_relative_name_and_refuses_links(tmp_path: Path) -> None:
