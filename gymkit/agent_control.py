@@ -40,13 +40,12 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 from fastapi import APIRouter
 
-from gymkit.checkpoint_dir import manifest_digest, read_agent_dir, write_agent_dir
+from gymkit.checkpoint_dir import checkpoint_root, manifest_digest, read_agent_dir, write_agent_dir
 from gymkit.control_http import AttemptQuery, CheckpointQuery, ControlRoutes, capabilities_route
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -73,7 +72,7 @@ from schemas.control import (
     MultiProcess,
     SelectedBoundary,
 )
-from schemas.errors import SnapshotError
+from schemas.errors import InvalidPathError, SnapshotError
 from schemas.gym_files import MANIFEST_NAME, AgentBoundaryRecord, AgentManifest, agent_instance_dir
 from schemas.gym_records import AgentContinuationRoot
 from schemas.identity import capture_key
@@ -685,7 +684,10 @@ def read_agent_checkpoint(checkpoint_dir: str, instance_name: str | None
     """The committed agent folder of ``instance_name`` in ``checkpoint_dir``, every digest checked:
     its manifest, its boundary records, and the manifest digest. ``agent_checkpoint_error`` if it is
     missing, corrupt, of another instance, or its continuation index disagrees with its records."""
-    folder = Path(checkpoint_dir) / agent_instance_dir(instance_name)
+    try:
+        folder = checkpoint_root(checkpoint_dir) / agent_instance_dir(instance_name)
+    except InvalidPathError as exc:
+        raise _refused("agent_checkpoint_error", exc) from None
     if not (folder / MANIFEST_NAME).is_file():
         raise ControlError("agent_checkpoint_error", f"no committed agent manifest at {folder / MANIFEST_NAME}")
     try:
@@ -707,7 +709,10 @@ def commit_agent_checkpoint(checkpoint_dir: str, checkpoint_id: str, instance_na
     ``manifest.json``) and answer ``{records, manifest_digest, continuation_index}``. A folder that
     already holds a manifest is validated instead (same checkpoint id and instance) and answered
     with its digest: a repeated commit writes nothing."""
-    folder = Path(checkpoint_dir) / agent_instance_dir(instance_name)
+    try:
+        folder = checkpoint_root(checkpoint_dir) / agent_instance_dir(instance_name)
+    except InvalidPathError as exc:
+        raise _refused("agent_checkpoint_error", exc) from None
     if (folder / MANIFEST_NAME).exists():
         manifest, found, digest = read_agent_checkpoint(checkpoint_dir, instance_name)
         if manifest.checkpoint_id != checkpoint_id:

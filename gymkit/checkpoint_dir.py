@@ -93,7 +93,7 @@ from snapformat.gym_dir import (
 from snapformat.tar_archive import read_members, tar_bytes
 
 __all__ = [
-    "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "continuation_roots",
+    "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "checkpoint_root", "continuation_roots",
     "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "iter_resource_dependencies",
     "jsonl_bytes",
     "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_jsonl", "read_ledger_dir",
@@ -365,6 +365,15 @@ def write_resources_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: s
             files[name] = sha256_hex(data)
     manifest = ResourcesManifest(checkpoint_id=checkpoint_id, server_name=server_name, files=files)
     return manifest, write_manifest(folder, manifest)
+
+
+def checkpoint_root(checkpoint_dir: str) -> Path:
+    """``checkpoint_dir`` as a path, if a file system can hold it: a NUL byte ends a path in every
+    OS call (Python raises ``ValueError`` there, which a route would answer as a 500), so such a
+    folder is an :class:`InvalidPathError` that the participant answers as its checkpoint error."""
+    if "\x00" in checkpoint_dir:
+        raise InvalidPathError(f"checkpoint_dir {checkpoint_dir!r} holds a NUL byte (no file system path can)")
+    return Path(checkpoint_dir)
 
 
 def _checkpoint_dir_of(folder: Path, base: str) -> Path:

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter
 
+from gymkit.checkpoint_dir import checkpoint_root
 from gymkit.control_http import ControlRoutes, ModelStatusQuery, capabilities_route
 from gymkit.fence import ControlError, Fence, time_left
 from schemas.control import (
@@ -65,6 +66,7 @@ from schemas.control import (
     Workers,
     WorkerState,
 )
+from schemas.errors import InvalidPathError
 from schemas.gym_files import ArtifactRef
 
 RETRY_AFTER = {"retry-after": "1"}
@@ -281,6 +283,16 @@ class ModelParticipant(ABC):
 
 
 # -- routes -----------------------------------------------------------------------------------------------
+def usable_dir(checkpoint_dir: str) -> None:
+    """Refuse, as ``ledger_mismatch`` (what the model answers for a folder it cannot use), a
+    ``checkpoint_dir`` no file system can hold (:func:`gymkit.checkpoint_dir.checkpoint_root`),
+    before the participant is called with it."""
+    try:
+        checkpoint_root(checkpoint_dir)
+    except InvalidPathError as exc:
+        raise ControlError("ledger_mismatch", f"{type(exc).__name__}: {exc}") from None
+
+
 def model_router(participant: ModelParticipant, admission: ModelAdmission, fence: Fence, token: str) -> APIRouter:
     """The model server's ``/ng-control/v1`` routes (and ``GET capabilities``), to ``include_router``."""
     declared = participant.declaration()
@@ -359,6 +371,7 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
             if admission.state != "paused" or admission.inflight_total:
                 raise ControlError("ledger_not_quiescent", f"model admission is {admission.state} with "
                                                            f"{admission.inflight_total} call(s) in flight")
+            usable_dir(req.checkpoint_dir)
             return await participant.commit(ModelCommitContext(
                 checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir,
                 continuation_indexes=tuple(req.continuation_indexes)))
@@ -371,6 +384,7 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
 
         async def load() -> ModelRestoreResponse:
             admission.close()  # stays closed if the restore fails (restore_failed_paused)
+            usable_dir(req.checkpoint_dir)
             reply = await participant.restore(ModelRestoreContext(
                 checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir))
             for attempt in (*reply.tombstones, *reply.source_attempts):

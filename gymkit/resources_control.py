@@ -54,7 +54,13 @@ from typing import Any, Literal
 import msgspec
 from fastapi import APIRouter, Response
 
-from gymkit.checkpoint_dir import iter_resource_dependencies, manifest_digest, read_resources_dir, write_resources_dir
+from gymkit.checkpoint_dir import (
+    checkpoint_root,
+    iter_resource_dependencies,
+    manifest_digest,
+    read_resources_dir,
+    write_resources_dir,
+)
 from gymkit.control_http import ControlRoutes, DeadlineQuery, capabilities_route, json_response
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -72,7 +78,7 @@ from schemas.control import (
     ResourcesResumeResponse,
     ResourcesRetireResponse,
 )
-from schemas.errors import SnapshotError
+from schemas.errors import InvalidPathError, SnapshotError
 from schemas.gym_files import AGENT_DIR, MANIFEST_NAME, MutationReceipt, ResourceSnapshot, resources_dir
 
 #: The phases each resources route allows (CONTROL.md §4).
@@ -577,8 +583,8 @@ def commit_resources_checkpoint(checkpoint_dir: str, checkpoint_id: str, server_
     """Write ``resources/<server_name>/<rid>.a<n>.json`` for each snapshot, then ``manifest.json``;
     answer ``{sessions, manifest_digest}``. A folder that already holds a manifest is validated
     instead (same checkpoint id and server, every file's digest) and answered with its digest."""
-    folder = Path(checkpoint_dir) / resources_dir(server_name)
     try:
+        folder = checkpoint_root(checkpoint_dir) / resources_dir(server_name)
         if (folder / MANIFEST_NAME).exists():
             manifest, _ = read_resources_dir(folder)
             if manifest.checkpoint_id != checkpoint_id or manifest.server_name != server_name:
@@ -619,7 +625,10 @@ def load_resources_checkpoint(checkpoint_dir: str, server_name: str, *, check_ag
     snapshots). With ``check_agents``, every session an agent's committed boundary depends on
     (its ``resource_state_revisions`` names this server) must be there at that exact revision, else
     ``resource_revision_mismatch`` (see "Agent revisions on restore" in the module's docstring)."""
-    folder = Path(checkpoint_dir) / resources_dir(server_name)
+    try:
+        folder = checkpoint_root(checkpoint_dir) / resources_dir(server_name)
+    except InvalidPathError as exc:
+        raise _refused("resources_checkpoint_error", exc) from None
     if not (folder / MANIFEST_NAME).is_file():
         raise ControlError("resources_checkpoint_error", f"no committed resources manifest at {folder / MANIFEST_NAME}")
     try:

@@ -588,6 +588,32 @@ def test_every_route_in_every_phase_answers_as_the_reference_says(committed: Com
         run_sequence(servers, clients, PRELUDES[prelude] + sequence, ctx)
 
 
+NUL_DIR = ("dir", "a\x00b")  # a path no file system can hold (a NUL byte; the fuzzers draw it rarely)
+
+
+@pytest.mark.parametrize("prelude,step", [
+    ("prepared", _step("agent", "agent-checkpoint/commit", "dir", checkpoint_dir=NUL_DIR)),
+    ("prepared", _step("model", "model-checkpoint/commit", "model_commit", checkpoint_dir=NUL_DIR,
+                       continuation_indexes=[])),
+    ("prepared", _step("resources", "resources-checkpoint/commit", "dir", checkpoint_dir=NUL_DIR)),
+    ("idle", {**_step("model", "model-checkpoint/restore", "model_commit", checkpoint_dir=NUL_DIR), "kind": "dir"}),
+    ("idle", _step("agent", "agent-checkpoint/restore", "dir", checkpoint_dir=NUL_DIR)),
+    ("idle", _step("resources", "resources-checkpoint/restore", "dir", checkpoint_dir=NUL_DIR)),
+], ids=lambda v: v["route"] if isinstance(v, dict) else v)
+def test_a_checkpoint_dir_with_a_nul_byte_is_the_familys_refusal(committed: Committed, sandbox: Path, prelude: str,
+                                                                  step: dict[str, Any]) -> None:
+    # Well-formed by the schema, so not a 422: the family's checkpoint error (409), never a 500.
+    servers = Servers(False)
+    ctx = Ctx(committed, sandbox)
+    with ExitStack() as stack:
+        clients = {k: stack.enter_context(TestClient(app, raise_server_exceptions=False, base_url="http://gym"))
+                   for k, app in servers.apps.items()}
+        run_sequence(servers, clients, PRELUDES[prelude], ctx)
+        resp = send(clients[step["family"]], step, ctx)
+    assert resp.status_code == 409, resp.text
+    assert "NUL" in resp.json()["error"]["detail"], resp.text
+
+
 @settings(FUZZ, max_examples=max(10, EXAMPLES // 2))
 @given(route=st.sampled_from([r for r in ROUTES if r[1] == "POST"]), raw=st.binary(max_size=200) | json_values.map(
     msgspec.json.encode), auth=st.sampled_from([AUTH, *BAD_AUTHS]))
