@@ -46,6 +46,11 @@ files staged in a folder under ``DIR`` (``ControllerConfig.gym_staging="always"`
 copies into the draft after the resume. The bare-files baseline is measured in both places, on as
 many threads as Gym's writer uses there (``snapformat.gym_dir.writer_threads``). The restores take
 the last snapshot, a staged one.
+
+**The order levers.** ``--commit-alongside`` (with ``--staging``): each repeat also pauses staged
+with the resources servers committing alongside the agents and the model. ``--restore-concurrent``:
+each restore repeat also restores, on fresh servers of its own, with every participant at once
+(``NemoGym(restore_order="concurrent")``). Either way the two orders swap places every repeat.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ from benchmarks import common
 from coordinator.checkpoint import gym_parts
 from coordinator.gym_actor import NemoGym
 from devtools.gym_multihost import HostSpec, ModelSpec, MultiHost, PairSpec, launch
-from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, StepResult
+from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, RestoreOrder, StepResult
 from refgym.agent_server import MAX_BATCH, MAX_OPEN_CALLS
 from schemas.topology import manifest_fingerprint
 from snapformat import SnapshotStore, layout, open_snapshot
@@ -353,9 +358,11 @@ async def pause_once(gym: NemoGym, store: SnapshotStore, store_root: Path, finge
 
 
 async def restore_once(dep: Deployment, token: str, store: SnapshotStore, published: Any, parts: Any,
-                       fingerprint: str, source_ck: str, rid: str) -> tuple[dict[str, float], dict[str, int]]:
-    """Restore ``published`` into the fresh deployment ``dep`` and resume it, every step timed."""
-    gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S)
+                       fingerprint: str, source_ck: str, rid: str, restore_order: RestoreOrder = "nemo_rl"
+                       ) -> tuple[dict[str, float], dict[str, int]]:
+    """Restore ``published`` into the fresh deployment ``dep`` (in ``restore_order``) and resume it,
+    every step timed."""
+    gym = NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, restore_order=restore_order)
     try:
         again = await gym.discover_checkpoint_capabilities()
         if again.fingerprint != fingerprint:
@@ -440,7 +447,7 @@ def _total(step: StepResult, component: str, attr: str) -> int:
 async def measure_point(workdir: Path, token: str, token_file: Path, store_root: Path, servers: int, n: int,
                         repeats: int, tag: str, log: Log, budget_s: float | None = None,
                         actor_pool: int | None = None, staging: Path | None = None,
-                        alongside: bool = False) -> dict[str, Any]:
+                        alongside: bool = False, restore_concurrent: bool = False) -> dict[str, Any]:
     """One (servers, rollouts) point: one set-up (not timed), ``repeats`` checkpoints of the live
     rollouts (resumed in between, each running on for :data:`RUN_BETWEEN_S`), then every host
     SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers.
@@ -449,7 +456,10 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
     measured in both places. ``alongside`` (the commit-order lever, with ``staging``): each repeat
     also pauses staged through an actor whose fleet commits the resources servers alongside the
     agents and the model (``commit_order="resources_alongside"``); the two staged pauses swap places
-    every repeat, so neither always follows the other."""
+    every repeat, so neither always follows the other. ``restore_concurrent`` (the restore-order
+    lever): each restore repeat restores twice, each time on fresh servers, in NeMo-RL's order and
+    with every participant at once (``restore_order="concurrent"``), the two swapping places every
+    repeat."""
     if alongside and staging is None:
         raise ValueError("the commit-order lever (alongside) is measured on staged pauses: give staging too")
     store = SnapshotStore(str(store_root))
@@ -542,34 +552,43 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                 shutil.rmtree(folder, ignore_errors=True)
         log(f"S={servers} N={n:,} baseline in {staging}: " + ", ".join(f"{x * 1e3:,.0f}" for x in staged_floors)
             + " ms")
-    restores: list[tuple[dict[str, float], dict[str, int]]] = []
+    orders: list[RestoreOrder] = ["nemo_rl", "concurrent"] if restore_concurrent else ["nemo_rl"]
+    by_order: dict[str, list[tuple[dict[str, float], dict[str, int]]]] = {o: [] for o in orders}
     restart_s: list[float] = []
     failures: list[str] = []
     rep = attempt = 0
-    while rep < len(pauses) and attempt < len(pauses) + MAX_RESTORE_FAILURES:
+    while rep < len(pauses) and attempt < len(pauses) * len(orders) + MAX_RESTORE_FAILURES:
         if rep and over(1.0):
             log(f"S={servers} N={n:,}: {rep} restore(s) used the point's {budget_s:.0f} s budget: no more")
             break
-        attempt += 1
-        t = time.perf_counter()
-        fresh = deploy(workdir, token_file, servers, f"{tag}-fresh{attempt}")
-        restart_s.append(time.perf_counter() - t)
-        try:
-            times, counts = await restore_once(fresh, token, store, published, parts, topology.fingerprint, ck,
-                                               f"restore-{tag}-{attempt}")
-        except Exception as exc:  # noqa: BLE001 - recorded, and tried again on fresh servers (bounded)
-            died = [h.pid for h in fresh.hosts if h.popen.poll() is not None]
-            failures.append(f"restore attempt {attempt}: {type(exc).__name__}: {exc}"[:600]
-                            + (f" (host processes {died} had died)" if died else ""))
-            log(f"S={servers} N={n:,} restore attempt {attempt} failed: {failures[-1]}")
-            continue
-        finally:
-            fresh.kill()
-        rep += 1
-        restores.append((times, counts))
-        log(f"S={servers} N={n:,} restore {rep}/{len(pauses)}: {times['restore_total'] * 1e3:,.0f} ms (restore "
-            f"{times['restore'] * 1e3:,.0f}, resume {times['resume_after_restore'] * 1e3:,.0f}); continuations "
-            f"{counts['agent_restore_continuations']:,}/{n:,}")
+        failed = False
+        for order in (orders if rep % 2 == 0 else orders[::-1]):
+            if len(by_order[order]) > rep:  # restored in an earlier try of this repeat
+                continue
+            attempt += 1
+            t = time.perf_counter()
+            fresh = deploy(workdir, token_file, servers, f"{tag}-fresh{attempt}")
+            restart_s.append(time.perf_counter() - t)
+            try:
+                times, counts = await restore_once(fresh, token, store, published, parts, topology.fingerprint, ck,
+                                                   f"restore-{tag}-{attempt}", order)
+            except Exception as exc:  # noqa: BLE001 - recorded, and tried again on fresh servers (bounded)
+                died = [h.pid for h in fresh.hosts if h.popen.poll() is not None]
+                failures.append(f"restore attempt {attempt} ({order}): {type(exc).__name__}: {exc}"[:600]
+                                + (f" (host processes {died} had died)" if died else ""))
+                log(f"S={servers} N={n:,} restore attempt {attempt} failed: {failures[-1]}")
+                failed = True
+                break
+            finally:
+                fresh.kill()
+            by_order[order].append((times, counts))
+            log(f"S={servers} N={n:,} restore {rep + 1}/{len(pauses)}"
+                f"{'' if order == 'nemo_rl' else f', {order}'}: {times['restore_total'] * 1e3:,.0f} ms (restore "
+                f"{times['restore'] * 1e3:,.0f}, resume {times['resume_after_restore'] * 1e3:,.0f}); continuations "
+                f"{counts['agent_restore_continuations']:,}/{n:,}")
+        if not failed:
+            rep += 1
+    restores = by_order["nemo_rl"]
     if not restores:
         raise RuntimeError(f"no restore succeeded: {'; '.join(failures)}")
     median = {k: statistics.median(t[k] for t, _ in (pauses if k in pauses[0][0] else restores))
@@ -588,7 +607,21 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         "staged": None if staging is None else _variant(variants["staged"][1], staged_floors) | {
             "root": str(staging), "filesystem": common.filesystem(staging)},
         "alongside": _variant(variants["alongside"][1]) if alongside else None,
+        "restore_concurrent": _restore_variant(by_order["nemo_rl"], by_order["concurrent"]) if restore_concurrent
+        else None,
     }
+
+
+def _restore_variant(nemo_rl: list[tuple[dict[str, float], dict[str, int]]],
+                     concurrent: list[tuple[dict[str, float], dict[str, int]]]) -> dict[str, Any]:
+    """The restore-order lever's results: each concurrent restore's times and counts, their medians,
+    and the paired ratio (concurrent / NeMo-RL's order, within each repeat) of the whole restore."""
+    pairs = list(zip(nemo_rl, concurrent, strict=False))
+    return {"restores": [{"times_s": t, "counts": c} for t, c in concurrent],
+            "median_s": {k: statistics.median(t[k] for t, _ in concurrent) for k in concurrent[0][0]} if concurrent
+            else {},
+            "paired_ratio_restore_total": statistics.median(
+                c["restore_total"] / a["restore_total"] for (a, _), (c, _) in pairs) if pairs else None}
 
 
 def _variant(measured: list[tuple[dict[str, float], dict[str, int], dict[str, float]]],
@@ -617,12 +650,14 @@ def _budget(budget_s: float | None) -> Callable[[float], bool]:
 
 def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, log: Log | None = None,
         workdir: Path | None = None, repeats: int | None = None, actor_pool: int | None = None,
-        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S, alongside: bool = False) -> dict[str, Any]:
+        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S, alongside: bool = False,
+        restore_concurrent: bool = False) -> dict[str, Any]:
     """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``).
     ``actor_pool``: the NemoGym actor's HTTP pool size (default: sized to the servers). ``staging``:
     also pause with Gym's files staged there (see :func:`measure_point`; :func:`ram_staging` is the
     RAM-backed default); ``alongside``: also pause staged with the resources servers committing
-    alongside (the commit-order lever; needs ``staging``). ``budget_s``: a point of :data:`LARGE_N` rollouts or more stops repeating
+    alongside (the commit-order lever; needs ``staging``); ``restore_concurrent``: also restore with
+    every participant at once (the restore-order lever). ``budget_s``: a point of :data:`LARGE_N` rollouts or more stops repeating
     once its pauses used half of it (its restores, all of it)."""
     if not points or any(s < 1 or n < s for s, n in points):
         raise ValueError(f"points: {points!r} (expected (servers >= 1, rollouts >= servers))")
@@ -645,7 +680,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
                 per_point.append(asyncio.run(measure_point(tmp / "hosts", token, token_file,
                                                            tmp / f"store-{servers}-{n}", servers, n, reps,
                                                            f"s{servers}n{n}", log, budget, actor_pool, staging,
-                                                           alongside)))
+                                                           alongside, restore_concurrent)))
             except Exception as exc:  # noqa: BLE001 - reported; the other points still count
                 # What the host processes said (a host that died leaves its traceback there).
                 said = [f"{log_path.name}: {' | '.join(tail)}" for log_path in sorted((tmp / "hosts").glob("*.log"))
@@ -665,6 +700,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
         "points": [list(p) for p in points], "quick": quick, "turns": TURNS, "model_slow_ms": MODEL_SLOW_MS,
         "agent_open_calls": MAX_OPEN_CALLS, "max_hosts": MAX_HOSTS, "run_between_s": RUN_BETWEEN_S,
         "staging": None if staging is None else str(staging), "alongside": alongside,
+        "restore_concurrent": restore_concurrent,
         "phases": [{"key": k, "label": label, "includes": what} for k, label, what in PHASES],
         "per_point": per_point, "failed": failed,
         "machine": {"cores": os.cpu_count(), "load_average_start": load_start,
@@ -903,7 +939,7 @@ def markdown(result: dict[str, Any], plots: list[Path] | None = None) -> str:
         cells = " | ".join(_ms(p["median_s"].get(key)) for p in pts)
         shown = f"↳ {label.strip()}" if label.startswith("  ") else label
         lines.append(f"| {bold}{shown}{bold} | {cells} |")
-    lines += ["", *staged_lines(r), *alongside_lines(r), *cpu_lines(r), "## What the servers reported (last repeat of each point)", "",
+    lines += ["", *staged_lines(r), *alongside_lines(r), *restore_concurrent_lines(r), *cpu_lines(r), "## What the servers reported (last repeat of each point)", "",
               _counts_note(pts), "",
               "| servers | rollouts | parked at prepare | sessions exported | agent commit records | model commit "
               "rollouts / calls | resources commit sessions | agent restore continuations | model restore calls | "
@@ -979,6 +1015,46 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
             "kit_listens": listens.count, "park_s": round(park, 3), "parked": status.parked}
 
 
+#: The rows of the restore-order lever's table (keys of PHASES), in order.
+RESTORE_ROWS = ("restore", "restore_model", "restore_agent", "restore_resource", "resume_after_restore",
+                "restore_total")
+
+
+def restore_concurrent_lines(result: dict[str, Any]) -> list[str]:
+    """The restore-order lever's section: each point's restores in NeMo-RL's order against the same
+    repeats' restores with every participant at once; empty when the run did not measure it."""
+    pts = sorted((p for p in result["per_point"] if (p.get("restore_concurrent") or {}).get("restores")),
+                 key=lambda p: (p["n"], p["servers"]))
+    if not pts:
+        return []
+    labels = {k: label for k, label, _ in PHASES}
+    lines = [
+        "## Lever: every participant restores at once (`NemoGym(restore_order=\"concurrent\")`)",
+        "",
+        ("Each restore repeat restored the same snapshot twice, each time on freshly started servers, the two "
+         "swapping places every repeat: once in NeMo-RL's order (the model, then the agents, then the resources "
+         "servers), once with every participant at once (`gymkit.gym_fleet.GymFleet`, "
+         "`restore_order=\"concurrent\"`). Medians (ms) of the same repeats."),
+        "",
+        "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: NeMo-RL's order | concurrent" for p in pts) + " |",
+        "|---|" + "---:|---:|" * len(pts),
+    ]
+    for key in RESTORE_ROWS:
+        bold = "**" if key.endswith("_total") else ""
+        cells = " | ".join(f"{_ms(p['median_s'].get(key))} | {_ms(p['restore_concurrent']['median_s'].get(key))}"
+                           for p in pts)
+        lines.append(f"| {bold}{'↳ ' if labels[key].startswith('  ') else ''}{labels[key].strip()}{bold} | {cells} |")
+    lines.append("")
+    for p in pts:
+        seq, con = p["median_s"]["restore_total"], p["restore_concurrent"]["median_s"]["restore_total"]
+        pause = (p.get("staged") or {}).get("median_s", {}).get("pause_total", p["median_s"]["pause_total"])
+        lines.append(f"- ({p['servers']}, {p['n']:,}): concurrent, the restore is {con:.2f} s = "
+                     f"{p['restore_concurrent']['paired_ratio_restore_total']:.2f}x NeMo-RL's order within each "
+                     f"repeat (medians {seq:.2f} s); against the pause ({pause:.2f} s, target <= 2x): "
+                     f"{con / pause:.2f}x and {seq / pause:.2f}x.")
+    return lines + [""]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale_bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"points {QUICK_POINTS}, one repeat each")
@@ -992,6 +1068,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-alongside", action="store_true", help="the commit-order lever (with --staging): each "
                    "repeat also pauses staged with the resources servers committing alongside the agents and the "
                    "model (NemoGym commit_order 'resources_alongside')")
+    p.add_argument("--restore-concurrent", action="store_true", help="the restore-order lever: each restore "
+                   "repeat also restores (on fresh servers) with every participant at once (NemoGym restore_order "
+                   "'concurrent'), the two orders swapping places every repeat")
     p.add_argument("--budget-s", type=float, default=LARGE_BUDGET_S, help=f"a point of {LARGE_N:,} rollouts or "
                    "more stops repeating once its pauses used half of this many seconds (default %(default)s)")
     p.add_argument("--render", type=Path, help="print the report of a saved result JSON (run.py's or a partial one)")
@@ -1007,7 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     points = tuple(tuple(x) for x in opts.point) if opts.point else (QUICK_POINTS if opts.quick else FULL_POINTS)
     result = run(points, opts.quick, repeats=opts.repeats, actor_pool=opts.actor_pool,  # type: ignore[arg-type]
-                 staging=opts.staging, budget_s=opts.budget_s, alongside=opts.commit_alongside)
+                 staging=opts.staging, budget_s=opts.budget_s, alongside=opts.commit_alongside,
+                 restore_concurrent=opts.restore_concurrent)
     if opts.json:
         opts.json.write_bytes(msgspec.json.encode(result))
     print(markdown(result))

@@ -14,7 +14,8 @@ The Single Controller never talks to Gym itself; it calls this actor (a Ray acto
   the agents' continuation indexes) -> resources, each writing its files into ``checkpoint_dir``
   (with ``commit_order="resources_alongside"``, resources at the same time as agents -> model);
 - ``restore_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir, source_checkpoint_id=None)``:
-  models -> agents -> resources, all staying paused (dispatch frozen until the resume);
+  models -> agents -> resources (with ``restore_order="concurrent"``, all at once), all staying
+  paused (dispatch frozen until the resume);
 - ``discard_restored_agent_continuations(checkpoint_id, deadline_ts, executions)``;
 - ``resume_checkpoint(checkpoint_id, deadline_ts)``: resources -> models -> agents (the design
   note's order; :mod:`gymkit.gym_fleet` says where NeMo-RL's versions differ), then dispatch reopens;
@@ -56,11 +57,13 @@ from gymkit.gym_fleet import (
     DiscardResult,
     GymFleet,
     PrepareResult,
+    RestoreOrder,
     RestoreResult,
     Server,
     StepResult,
     Topology,
     checked_commit_order,
+    checked_restore_order,
 )
 from schemas.control import CompletionReceipt
 
@@ -101,11 +104,12 @@ def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 class NemoGym:
     """Calls to a set of Gym servers, each control call authenticated with ``token``. ``connections``:
     the HTTP pool's size (default :func:`pool_size` of the servers). ``commit_order``: NeMo-RL's
-    (default), or ``"resources_alongside"`` (:class:`gymkit.gym_fleet.GymFleet`)."""
+    (default), or ``"resources_alongside"``; ``restore_order``: NeMo-RL's (default), or
+    ``"concurrent"`` (:class:`gymkit.gym_fleet.GymFleet`)."""
 
     def __init__(self, servers: Mapping[str, str] | Sequence[str], token: str, *,
                  control_timeout_s: float = CONTROL_TIMEOUT_S, connections: int | None = None,
-                 commit_order: CommitOrder = "nemo_rl") -> None:
+                 commit_order: CommitOrder = "nemo_rl", restore_order: RestoreOrder = "nemo_rl") -> None:
         if not servers:
             raise ValueError("NemoGym needs at least one Gym server")
         if connections is not None and connections < 1:
@@ -117,6 +121,7 @@ class NemoGym:
         self._token = token
         self._control_timeout_s = control_timeout_s
         self._commit_order = checked_commit_order(commit_order)
+        self._restore_order = checked_restore_order(restore_order)
         self._http: httpx.AsyncClient | None = None
         self._fleet: GymFleet | None = None
         self._active_checkpoint_id: str | None = None  # dispatch is frozen while one is active
@@ -150,7 +155,7 @@ class NemoGym:
         """Every server's capabilities (or only ``server_names``'), checked; the topology (NeMo-RL's
         contracts) and its fingerprint (bare hex)."""
         fleet = GymFleet.connect(self._servers, self._token, self.http, control_timeout_s=self._control_timeout_s,
-                                 commit_order=self._commit_order)
+                                 commit_order=self._commit_order, restore_order=self._restore_order)
         topology = await fleet.discover(server_names)
         self._fleet = fleet
         return topology
@@ -295,10 +300,11 @@ class NemoGym:
 
 
 def remote(servers: Mapping[str, str] | Sequence[str], token: str, *, commit_order: CommitOrder = "nemo_rl",
-           **options: Any) -> Any:
+           restore_order: RestoreOrder = "nemo_rl", **options: Any) -> Any:
     """The NemoGym actor on Ray (no CPU reserved: it waits on HTTP), with Ray's actor ``options``.
     Needs ``ray`` initialised."""
     import ray
 
     servers = dict(servers) if isinstance(servers, Mapping) else list(servers)
-    return ray.remote(NemoGym).options(num_cpus=0, **options).remote(servers, token, commit_order=commit_order)
+    return ray.remote(NemoGym).options(num_cpus=0, **options).remote(servers, token, commit_order=commit_order,
+                                                                     restore_order=restore_order)

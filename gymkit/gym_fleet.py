@@ -32,7 +32,12 @@ server of the one before has answered (a failure fails the step once its sibling
   already prepared, so its state is frozen; the model reads only the agents' indexes; each writes
   its own folder), and the pause then waits for the longer of the two chains, not their sum. A
   failure still fails the step only once both chains have answered.
-* restore: models -> agents -> resources; with ``source_checkpoint_id`` each must report it.
+* restore: models -> agents -> resources (``restore_order="nemo_rl"``, the default); with
+  ``source_checkpoint_id`` each must report it. ``restore_order="concurrent"`` restores every
+  participant at once: nothing orders them (each reads only files in ``checkpoint_dir``: its own
+  folder, and a resources server the agents' committed indexes; none calls another; every one stays
+  paused until the resume), and the restore then waits for the slowest participant, not the sum of
+  the three steps. A failure still fails the step only once every participant has answered.
 * resume: resources -> models -> agents, the design note's order ("opens what agents call
   first"). NeMo-RL's actor (``nemo_gym.py``, version not pinned, at the time of ``d595189f``)
   resumes resources -> agents -> models (policy reopening last); NeMo-RL ``498dcedb`` uses the
@@ -83,6 +88,10 @@ RESUME_ORDER = (RESOURCES, MODELS, AGENTS)  # the design note's; also abort's
 #: the resources servers committing alongside (see the module docstring).
 CommitOrder = Literal["nemo_rl", "resources_alongside"]
 COMMIT_ORDERS: tuple[str, ...] = get_args(CommitOrder)
+#: ``GymFleet(restore_order=...)``: NeMo-RL's (models -> agents -> resources), or every participant at
+#: once (see the module docstring).
+RestoreOrder = Literal["nemo_rl", "concurrent"]
+RESTORE_ORDERS: tuple[str, ...] = get_args(RestoreOrder)
 AGENT_PREPARE_RETRY_S = 0.1  # agent prepare is sent again at most this long after an agent_prepare_incomplete
 #: What an abort may be answered by a server that never began the checkpoint, or already ended it.
 ALREADY_ENDED = ("invalid_phase", "stale_checkpoint")
@@ -241,9 +250,18 @@ def _fleet_error(code: str, message: str, **kw: Any) -> ControlCallError:
 
 def checked_commit_order(order: str) -> CommitOrder:
     """``order`` if it is one of :data:`COMMIT_ORDERS`, else a ``ValueError`` naming them."""
-    if order not in COMMIT_ORDERS:
-        raise ValueError(f"commit_order is {order!r}, expected one of {COMMIT_ORDERS}")
-    return order  # type: ignore[return-value]
+    return _one_of("commit_order", order, COMMIT_ORDERS)  # type: ignore[return-value]
+
+
+def checked_restore_order(order: str) -> RestoreOrder:
+    """``order`` if it is one of :data:`RESTORE_ORDERS`, else a ``ValueError`` naming them."""
+    return _one_of("restore_order", order, RESTORE_ORDERS)  # type: ignore[return-value]
+
+
+def _one_of(knob: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{knob} is {value!r}, expected one of {choices}")
+    return value
 
 
 async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
@@ -259,10 +277,11 @@ class GymFleet:
     """Every Gym server of a deployment (see the module docstring). :meth:`discover` comes first."""
 
     def __init__(self, servers: Sequence[Server], *, control_timeout_s: float = DEFAULT_TIMEOUT_S,
-                 commit_order: CommitOrder = "nemo_rl") -> None:
+                 commit_order: CommitOrder = "nemo_rl", restore_order: RestoreOrder = "nemo_rl") -> None:
         if not servers:
             raise ValueError("a Gym fleet needs at least one server")
         self.commit_order = checked_commit_order(commit_order)
+        self.restore_order = checked_restore_order(restore_order)
         self._configured = list(servers)
         self.servers: list[Server] = []  # the discovered participants, sorted by (component, server name)
         self.topology: Topology | None = None
@@ -275,14 +294,15 @@ class GymFleet:
     @classmethod
     def connect(cls, servers: Mapping[str, str] | Sequence[str], token: str, http: httpx.AsyncClient, *,
                 control_timeout_s: float = DEFAULT_TIMEOUT_S, commit_order: CommitOrder = "nemo_rl",
-                **client_kw: Any) -> GymFleet:
+                restore_order: RestoreOrder = "nemo_rl", **client_kw: Any) -> GymFleet:
         """``servers``: server name -> URL (Gym's top-level config keys), or a list of URLs."""
         if isinstance(servers, Mapping):
             entries = [(name, url) for name, url in sorted(servers.items())]
         else:
             entries = [(None, url) for url in servers]
         return cls([Server(name, AsyncControlClient(url, token, http, timeout=control_timeout_s, **client_kw))
-                    for name, url in entries], control_timeout_s=control_timeout_s, commit_order=commit_order)
+                    for name, url in entries], control_timeout_s=control_timeout_s, commit_order=commit_order,
+                   restore_order=restore_order)
 
     # -- discovery ------------------------------------------------------------------------------------
     async def discover(self, server_names: Iterable[str] | None = None) -> Topology:
@@ -489,8 +509,9 @@ class GymFleet:
 
     async def restore(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
                       source_checkpoint_id: str | None = None) -> RestoreResult:
-        """Models, then agents, then resources load their files from ``checkpoint_dir`` and stay paused.
-        With ``source_checkpoint_id`` each must report that it restored that checkpoint."""
+        """Models, then agents, then resources (or all at once: :attr:`restore_order`) load their files
+        from ``checkpoint_dir`` and stay paused. With ``source_checkpoint_id`` each must report that it
+        restored that checkpoint."""
         replies: dict[str, ParticipantReply] = {}
 
         def checked(s: Server, step: str, call: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
@@ -503,13 +524,22 @@ class GymFleet:
                 return reply
             return run()
 
-        await self._step(self.exporting(MODELS), replies, lambda s: checked(
-            s, "model-checkpoint/restore", lambda: s.client.model.restore(checkpoint_id, deadline_ts, checkpoint_dir)))
-        await self._step(self.exporting(AGENTS), replies, lambda s: checked(
-            s, "agent-checkpoint/restore", lambda: s.client.agent.restore(checkpoint_id, deadline_ts, checkpoint_dir)))
-        await self._step(self.exporting(RESOURCES), replies, lambda s: checked(
-            s, "resources-checkpoint/restore",
-            lambda: s.client.resources.restore(checkpoint_id, deadline_ts, checkpoint_dir)))
+        steps = [
+            lambda: self._step(self.exporting(MODELS), replies, lambda s: checked(
+                s, "model-checkpoint/restore",
+                lambda: s.client.model.restore(checkpoint_id, deadline_ts, checkpoint_dir))),
+            lambda: self._step(self.exporting(AGENTS), replies, lambda s: checked(
+                s, "agent-checkpoint/restore",
+                lambda: s.client.agent.restore(checkpoint_id, deadline_ts, checkpoint_dir))),
+            lambda: self._step(self.exporting(RESOURCES), replies, lambda s: checked(
+                s, "resources-checkpoint/restore",
+                lambda: s.client.resources.restore(checkpoint_id, deadline_ts, checkpoint_dir))),
+        ]
+        if self.restore_order == "concurrent":
+            await _all(step() for step in steps)
+        else:
+            for step in steps:
+                await step()
         order = [s for c in RESTORE_ORDER for s in self.exporting(c)]
         return RestoreResult(checkpoint_id=checkpoint_id, checkpoint_dir=checkpoint_dir,
                              participants=[replies[s.server_name] for s in order])

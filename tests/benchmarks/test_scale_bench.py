@@ -1,7 +1,7 @@
 """A tiny run of the scale benchmark (issue 22 §2): 2 agent servers hosted in one process with their
 resources servers, a model in another, 40 rollouts, one pause into the draft, one staged (the
 staging lever) and one staged with the resources servers committing alongside (the commit-order
-lever), and one restore. Asserts what the servers did (every rollout parked, committed,
+lever), and one restore in each restore order (the restore-order lever). Asserts what the servers did (every rollout parked, committed,
 restored; the counts agree; the report and plot are written), never how fast."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ POINT = (2, 40)
 def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch",
-                          staging=staging, alongside=True)
+                          staging=staging, alongside=True, restore_concurrent=True)
 
     assert res["failed"] == [] and len(res["per_point"]) == 1
     p = res["per_point"][0]
@@ -55,6 +55,11 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     assert len(al["pauses"]) == 1 and set(scale_bench.ALONGSIDE_ROWS) <= set(al["median_s"])
     ac = al["pauses"][0]["counts"]
     assert ac["agent_commit_parked"] == ac["model_commit_rollouts"] == ac["resource_commit_sessions"] == n, ac
+    rc = p["restore_concurrent"]  # the same snapshot restored again on fresh servers, every participant at once
+    assert len(rc["restores"]) == 1 and set(scale_bench.RESTORE_ROWS) <= set(rc["median_s"]), rc
+    cc = rc["restores"][0]["counts"]
+    assert cc["agent_restore_continuations"] == cc["model_restore_rollouts"] == cc["resource_restore_sessions"] == n
+    assert rc["paired_ratio_restore_total"] > 0
 
     # The CPU of each step was counted, for both kinds of pause: the servers worked in the prepare and the commit
     # (parking, writing Gym's files), and a step's CPU is part of its pause's.
@@ -69,6 +74,7 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
         assert label.strip() in md, label
     assert "## Lever: Gym's files staged in RAM" in md and "| 2 srv, 40: draft | staged |" in md
     assert "## Lever: the resources servers commit alongside" in md and "NeMo-RL's order | alongside |" in md
+    assert "## Lever: every participant restores at once" in md and "NeMo-RL's order | concurrent |" in md
     assert "## Where the pause's CPU goes" in md and "| 2 srv, 40: wall s | servers CPU s |" in md
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up
 

@@ -14,12 +14,12 @@ import httpx
 import msgspec
 import pytest
 
-from coordinator.checkpoint.gym_parts import adopt_commit, save_dir
+from coordinator.checkpoint.gym_parts import adopt_commit, restore_dir, save_dir
 from coordinator.errors import GymCallError
 from coordinator.gym_actor import NemoGym
-from devtools.gym_fleet import wait_until
+from devtools.gym_fleet import Spec, take_snapshot, wait_until
 from schemas.gym_files import MANIFEST_NAME, agent_instance_dir
-from snapformat import SnapshotStore
+from snapformat import SnapshotStore, open_snapshot
 
 MODELS, AGENTS, RESOURCES = "responses_api_models", "responses_api_agents", "resources_servers"
 DEADLINE_S = 30.0
@@ -86,6 +86,51 @@ def test_discovery_and_a_whole_checkpoint_in_order(fleet, tmp_path: Path, commit
 def test_an_unknown_commit_order_is_refused_when_the_actor_is_made() -> None:
     with pytest.raises(ValueError, match="commit_order is 'racing', expected one of"):
         NemoGym(["http://127.0.0.1:1"], "token", commit_order="racing")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("restore_order", ["nemo_rl", "concurrent"])
+def test_a_snapshot_restores_into_fresh_servers_in_either_restore_order(fleet, tmp_path: Path,
+                                                                         restore_order: str) -> None:
+    """In either restore order every participant restores the snapshot's Gym checkpoint and stays
+    paused until the resume; the reply lists them in NeMo-RL's order; resumed, each parked rollout
+    finishes as attempt 1 after its last committed turn."""
+    gym = fleet.gym(model_slow_ms=100)
+    specs = [Spec(f"r{i}", seed=i, turns=4) for i in range(4)]
+    gym.start(specs)
+    wait_until(lambda: all(r["turns_done"] >= 1 for r in gym.agent.get("/rollouts")), "a first turn each")
+    snap = take_snapshot(gym, SnapshotStore(str(tmp_path / "store")), "ck-1", resume=False)
+    for p in gym.servers.all:
+        p.kill()
+    fresh = fleet.gym()
+    opened = open_snapshot(snap.published.url)
+    rdir = restore_dir(opened, [p.part_prefix for p in opened.manifest.gym_commit.participants if p.part_prefix])
+    nemo = _nemo(fresh, fleet.token, restore_order=restore_order)
+
+    async def scenario():
+        await nemo.discover_checkpoint_capabilities()
+        restored = await nemo.restore_checkpoint("rs-1", _deadline(), rdir.path, source_checkpoint_id="ck-1")
+        assert [(p.component, p.name) for p in restored.participants] == [
+            (MODELS, "policy0"), (AGENTS, "agent0"), (RESOURCES, "tools")]
+        replies = {p.component: p.reply for p in restored.participants}
+        assert replies[AGENTS].records == len(specs)
+        assert {(a.rollout_id, a.attempt_index) for a in replies[MODELS].source_attempts} == {
+            (s.rollout_id, 0) for s in specs}
+        assert replies[RESOURCES].sessions == len(specs)
+        assert _phases(fresh)["sandbox"] == "idle" and "idle" not in {
+            _phases(fresh)[n] for n in ("policy0", "agent0", "tools")}  # restored, paused until the resume
+        await nemo.resume_checkpoint("rs-1", _deadline())
+        await nemo.close()
+
+    asyncio.run(scenario())
+    fresh.rerun(specs, {s.rollout_id: 1 for s in specs})
+    results = fresh.wait_results([s.rollout_id for s in specs])
+    assert {rid: (r["attempt_index"], len(r["trajectory"])) for rid, r in results.items()} == {
+        s.rollout_id: (1, s.turns) for s in specs}
+
+
+def test_an_unknown_restore_order_is_refused_when_the_actor_is_made() -> None:
+    with pytest.raises(ValueError, match="restore_order is 'racing', expected one of"):
+        NemoGym(["http://127.0.0.1:1"], "token", restore_order="racing")  # type: ignore[arg-type]
 
 
 def test_acknowledgements_send_the_receipts_back_and_a_repeat_is_idempotent(fleet) -> None:

@@ -236,6 +236,54 @@ def test_restore_checks_the_source_and_discard_goes_to_every_agent_for_every_exe
     run(gyms, scenario)
 
 
+@pytest.mark.parametrize("restore_order", ["nemo_rl", "concurrent"])
+def test_a_concurrent_restore_asks_every_participant_while_the_model_restores(restore_order: str) -> None:
+    # The model restores slowly and then refuses. In NeMo-RL's order that ends the restore before
+    # any agent or resources server is asked; restoring concurrently, all were asked at once, and the
+    # model's failure is raised only once every one of them has answered.
+    gyms = servers()
+    log = gyms["policy"].log
+    _slow(gyms["policy"], "model-checkpoint/restore", 0.3, refusal("ledger_mismatch", "no ledger"))
+    _slow(gyms["tools"], "resources-checkpoint/restore", 0.6)
+
+    async def scenario(fleet: GymFleet) -> None:
+        began = time.monotonic()
+        with pytest.raises(ControlCallError) as err:
+            await fleet.restore("r1", time.time() + 30, "/staging/gym", source_checkpoint_id="ckpt-saved")
+        assert (err.value.code, err.value.name) == ("ledger_mismatch", "policy")
+        got = calls(log)
+        if restore_order == "nemo_rl":
+            assert got == [("policy", "model-checkpoint/restore")]
+            return
+        assert sorted(got) == [("agent0", "agent-checkpoint/restore"), ("agent1", "agent-checkpoint/restore"),
+                               ("policy", "model-checkpoint/restore"), ("tools", "resources-checkpoint/restore")]
+        assert time.monotonic() - began >= 0.6  # raised only after the slow resources server answered
+
+    run(gyms, scenario, restore_order=restore_order)
+
+
+def test_a_concurrent_restore_replies_in_nemo_rls_order_and_checks_every_source() -> None:
+    gyms = servers()
+    _slow(gyms["policy"], "model-checkpoint/restore", 0.2)
+
+    async def scenario(fleet: GymFleet) -> None:
+        restored = await fleet.restore("r1", time.time() + 30, "/staging/gym", source_checkpoint_id="ckpt-saved")
+        assert [(p.component, p.name) for p in restored.participants] == [
+            (MODELS, "policy"), (AGENTS, "agent0"), (AGENTS, "agent1"), (RESOURCES, "tools")]
+        assert len(restored.continuation_indexes) == 2
+        gyms["tools"].restored_from = "some-other-checkpoint"
+        with pytest.raises(ControlCallError) as err:
+            await fleet.restore("r2", time.time() + 30, "/staging/gym", source_checkpoint_id="ckpt-saved")
+        assert (err.value.code, err.value.name) == ("bad_answer", "tools")
+
+    run(gyms, scenario, restore_order="concurrent")
+
+
+def test_an_unknown_restore_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="restore_order is 'parallel', expected one of"):
+        GymFleet([object()], restore_order="parallel")  # type: ignore[list-item, arg-type]
+
+
 @pytest.mark.parametrize("failure", ["resources_refuse", "agent_never_ready", "model_never_pauses"])
 def test_a_failed_prepare_resumes_everyone_it_called_and_raises(failure: str) -> None:
     gyms = servers()
