@@ -21,9 +21,10 @@ lies (a staging folder, a draft). Nothing here imports gymkit: ``gymkit.checkpoi
 these files and reuses these checks to read them.
 
 The bytes themselves are built here too, once (:func:`jsonl_bytes`, :func:`document_bytes`,
-:func:`~snapformat.tar_archive.tar_bytes`, :func:`manifest_bytes`, :func:`continuation_roots`), and written so too: a
-commit's data files together through :class:`DurableFiles` (each temp, fsync, rename, on a few
-threads; then each folder fsynced once), then the manifest (:func:`write_manifest`, one
+:func:`manifest_bytes`, :func:`continuation_roots`; an agent's archives by
+:func:`snapformat.tar_archive.tar_bytes`), and written so too: a commit's data files together
+through :class:`DurableFiles` (each temp, fsync, rename, on a few threads; then each folder
+fsynced once), then the manifest (:func:`write_manifest`, one
 :func:`atomic_write`), CONTROL §6.2. gymkit's writers and the example store's writer
 (``snapformat.example``, which may not import gymkit) both use them, so the same records give the
 same bytes whoever writes them.
