@@ -791,6 +791,21 @@ def staged_lines(result: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _order_table(pts: list[dict[str, Any]], rows: tuple[str, ...], lever: str,
+                 nemo_rl: Callable[[dict[str, Any]], dict[str, float]],
+                 other: Callable[[dict[str, Any]], dict[str, float]]) -> list[str]:
+    """An order lever's table: per point, the medians (ms) in NeMo-RL's order (``nemo_rl(point)``)
+    beside those with the ``lever`` (``other(point)``), one row per key of ``rows``."""
+    labels = {k: label for k, label, _ in PHASES}
+    lines = ["| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: NeMo-RL's order | {lever}" for p in pts) + " |",
+             "|---|" + "---:|---:|" * len(pts)]
+    for key in rows:
+        bold = "**" if key.endswith("_total") else ""
+        cells = " | ".join(f"{_ms(nemo_rl(p).get(key))} | {_ms(other(p).get(key))}" for p in pts)
+        lines.append(f"| {bold}{'↳ ' if labels[key].startswith('  ') else ''}{labels[key].strip()}{bold} | {cells} |")
+    return lines
+
+
 #: The rows of the commit-order lever's table (keys of PHASES), in order.
 ALONGSIDE_ROWS = ("prepare", "commit", "commit_agent", "commit_model", "commit_resource", "resume", "pause_total")
 
@@ -802,7 +817,6 @@ def alongside_lines(result: dict[str, Any]) -> list[str]:
     pts = sorted((p for p in result["per_point"] if p.get("alongside")), key=lambda p: (p["n"], p["servers"]))
     if not pts:
         return []
-    labels = {k: label for k, label, _ in PHASES}
     lines = [
         "## Lever: the resources servers commit alongside (`NemoGym(commit_order=\"resources_alongside\")`)",
         "",
@@ -812,14 +826,9 @@ def alongside_lines(result: dict[str, Any]) -> list[str]:
         "(`gymkit.gym_fleet.GymFleet`, `commit_order=\"resources_alongside\"`). CPU seconds are the servers'. "
         "Medians (ms) of the same repeats.",
         "",
-        "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: NeMo-RL's order | alongside" for p in pts) + " |",
-        "|---|" + "---:|---:|" * len(pts),
+        *_order_table(pts, ALONGSIDE_ROWS, "alongside", lambda p: p["staged"]["median_s"],
+                      lambda p: p["alongside"]["median_s"]),
     ]
-    for key in ALONGSIDE_ROWS:
-        bold = "**" if key.endswith("_total") else ""
-        cells = " | ".join(f"{_ms(p['staged']['median_s'].get(key))} | {_ms(p['alongside']['median_s'].get(key))}"
-                           for p in pts)
-        lines.append(f"| {bold}{'↳ ' if labels[key].startswith('  ') else ''}{labels[key].strip()}{bold} | {cells} |")
     cpu = " | ".join(f"{p['staged']['median_cpu_s'].get('commit_servers', 0.0) * 1e3:,.0f} | "
                      f"{p['alongside']['median_cpu_s'].get('commit_servers', 0.0) * 1e3:,.0f}" for p in pts)
     lines += [f"| commit: servers' CPU | {cpu} |", ""]
@@ -1027,7 +1036,6 @@ def restore_concurrent_lines(result: dict[str, Any]) -> list[str]:
                  key=lambda p: (p["n"], p["servers"]))
     if not pts:
         return []
-    labels = {k: label for k, label, _ in PHASES}
     lines = [
         "## Lever: every participant restores at once (`NemoGym(restore_order=\"concurrent\")`)",
         "",
@@ -1036,15 +1044,10 @@ def restore_concurrent_lines(result: dict[str, Any]) -> list[str]:
          "servers), once with every participant at once (`gymkit.gym_fleet.GymFleet`, "
          "`restore_order=\"concurrent\"`). Medians (ms) of the same repeats."),
         "",
-        "| step | " + " | ".join(f"{p['servers']} srv, {p['n']:,}: NeMo-RL's order | concurrent" for p in pts) + " |",
-        "|---|" + "---:|---:|" * len(pts),
+        *_order_table(pts, RESTORE_ROWS, "concurrent", lambda p: p["median_s"],
+                      lambda p: p["restore_concurrent"]["median_s"]),
+        "",
     ]
-    for key in RESTORE_ROWS:
-        bold = "**" if key.endswith("_total") else ""
-        cells = " | ".join(f"{_ms(p['median_s'].get(key))} | {_ms(p['restore_concurrent']['median_s'].get(key))}"
-                           for p in pts)
-        lines.append(f"| {bold}{'↳ ' if labels[key].startswith('  ') else ''}{labels[key].strip()}{bold} | {cells} |")
-    lines.append("")
     for p in pts:
         seq, con = p["median_s"]["restore_total"], p["restore_concurrent"]["median_s"]["restore_total"]
         pause = (p.get("staged") or {}).get("median_s", {}).get("pause_total", p["median_s"]["pause_total"])
