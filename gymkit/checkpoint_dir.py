@@ -458,7 +458,7 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
 
 def _indexed_record(folder: Path, members: dict[str, bytes], row: AgentIndexEntry, n: int) -> AgentBoundaryRecord:
     """The record of index row ``n`` (0-based) from its archive's ``members``, checked against the row."""
-    # The two names below are built only for an error: paths joined per record were a third of an
+    # The two names below are built only for an error: paths joined per record were a fifth of an
     # agent's restore of 1,000 records (py-spy).
     def at() -> str:
         return f"{folder / AGENT_INDEX_NAME}: row {n + 1}"

@@ -11,7 +11,7 @@ behaviour and are faster on those fixed headers:
   otherwise, a truncated member), it gives the whole archive to ``tarfile``. So the fast path only
   returns where ``tarfile`` would return the same members, and ``tarfile`` decides the rest,
   errors included (``tests/snapformat/test_tar_archive.py`` compares the two on random archives and
-  on random damage). ``tarfile``'s header parsing was a third of a restore's check of its Gym parts
+  on random damage). ``tarfile``'s header parsing was 30% of a restore's check of its Gym parts
   at 10,000 rollouts (``py-spy``), and every agent restore read its archives with it again.
 """
 
