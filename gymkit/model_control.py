@@ -283,7 +283,7 @@ class ModelParticipant(ABC):
 
 
 # -- routes -----------------------------------------------------------------------------------------------
-def usable_dir(checkpoint_dir: str) -> None:
+def _usable_dir(checkpoint_dir: str) -> None:
     """Refuse, as ``ledger_mismatch`` (what the model answers for a folder it cannot use), a
     ``checkpoint_dir`` no file system can hold (:func:`gymkit.checkpoint_dir.checkpoint_root`),
     before the participant is called with it."""
@@ -371,7 +371,7 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
             if admission.state != "paused" or admission.inflight_total:
                 raise ControlError("ledger_not_quiescent", f"model admission is {admission.state} with "
                                                            f"{admission.inflight_total} call(s) in flight")
-            usable_dir(req.checkpoint_dir)
+            _usable_dir(req.checkpoint_dir)
             return await participant.commit(ModelCommitContext(
                 checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir,
                 continuation_indexes=tuple(req.continuation_indexes)))
@@ -384,7 +384,7 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
 
         async def load() -> ModelRestoreResponse:
             admission.close()  # stays closed if the restore fails (restore_failed_paused)
-            usable_dir(req.checkpoint_dir)
+            _usable_dir(req.checkpoint_dir)
             reply = await participant.restore(ModelRestoreContext(
                 checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir))
             for attempt in (*reply.tombstones, *reply.source_attempts):

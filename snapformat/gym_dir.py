@@ -1003,7 +1003,8 @@ def _read_rows(path: Path, row_type: Any, where: str, ref: ArtifactRef | None) -
     try:
         with open(path, "rb") as fh:
             # Whole chunks hashed and split at once: a line at a time (file iteration, a hash update and
-            # a size per line) was most of a resources server's read of the agents' indexes on restore.
+            # a size per line) was about half of a resources server's read of the agents' indexes on
+            # restore (py-spy), the other half decoding.
             while chunk := fh.read(_CHUNK):
                 sha.update(chunk)
                 size += len(chunk)

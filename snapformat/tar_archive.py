@@ -36,7 +36,8 @@ _USTAR_MODE_IDS = b"0000600\0" + b"0000000\0" * 2
 #: ... mtime 0, and after the checksum: a regular file, no link name, the POSIX magic "ustar\0" "00",
 #: empty user and group names and device numbers, no prefix, NULs to the end of the block.
 _USTAR_MTIME = b"00000000000\0"
-_USTAR_AFTER_CHKSUM = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * (32 + 32 + 8 + 8 + 155)).ljust(_TAR_BLOCK - 156, b"\0")
+_USTAR_AFTER_CHKSUM = (b"0" + b"\0" * 100 + b"ustar\x0000"
+                       + b"\0" * (32 + 32 + 8 + 8 + 155)).ljust(_TAR_BLOCK - 156, b"\0")
 #: What the checksum field (as 8 spaces) and the fields after it add to every header's checksum.
 _USTAR_FIXED_SUM = 8 * 32 + sum(_USTAR_AFTER_CHKSUM)
 #: A size field as ``tarfile`` writes one below 8**11: 11 octal digits and a NUL.
@@ -101,7 +102,7 @@ def read_members(data: bytes, where: str) -> dict[str, bytes]:
     member a regular file with a safe name (``check_name``), once. A damaged archive, or one that
     breaks those rules, raises :class:`CorruptSnapshotError` naming ``where`` and the member (an
     unsafe name: ``InvalidPathError``)."""
-    members = _fixed_header_members(data)
+    members: list[tuple[str, bytes]] | list[tuple[str, bytes | None]] | None = _fixed_header_members(data)
     if members is None:
         members = _tarfile_members(data, where)
     out: dict[str, bytes] = {}
@@ -122,7 +123,6 @@ def _fixed_header_members(data: bytes) -> list[tuple[str, bytes]] | None:
     For such headers ``tarfile`` reads exactly this: the name up to its first NUL (decoded as
     ``tarfile`` does), the octal size, a regular file, and it stops at the first all-NUL block. Its
     checksum is accepted only as ``tarfile`` writes it (6 octal digits, NUL, space)."""
-    view = memoryview(data)
     members: list[tuple[str, bytes]] = []
     offset, end = 0, len(data)
     while True:
@@ -142,9 +142,8 @@ def _fixed_header_members(data: bytes) -> list[tuple[str, bytes]] | None:
         if start + size > end:
             return None  # a member cut short: tarfile's error
         name = name_field.split(b"\0", 1)[0].decode(tarfile.ENCODING, "surrogateescape")
-        members.append((name, bytes(view[start:start + size])))
+        members.append((name, data[start:start + size]))
         offset = start + size + (-size % _TAR_BLOCK)
-
 
 
 def _tarfile_members(data: bytes, where: str) -> list[tuple[str, bytes | None]]:

@@ -125,7 +125,7 @@ ROW_LINES = st.sampled_from([b'{"schema_version":1,"capture_key":"k","boundary_m
 
 
 def rows_a_line_at_a_time(path: Path, where: str) -> list[object]:
-    """The reading of a JSON-lines file that chunked reading must equal: each b"\n"-ended line (and a
+    """The reading of a JSON-lines file that chunked reading must equal: each b"\\n"-ended line (and a
     last one without it), blank ones skipped, decoded strictly; the first failure raised."""
     rows = []
     with open(path, "rb") as fh:
