@@ -18,6 +18,11 @@ _ATTEMPT_SUFFIX_RE = re.compile(r"-a[1-9][0-9]*$")  # Gym's EpisodeId reserves e
 MAX_NAME_LEN = 200
 MAX_PATH_LEN = 1024
 MAX_PATH_DEPTH = 16
+#: A path :func:`check_relative_path` accepts, as one pattern (its length checked apart): at most
+#: MAX_PATH_DEPTH segments joined by "/", each a safe name (``_ID_RE``, at most MAX_NAME_LEN
+#: characters, not ending in ".").
+_SAFE_SEGMENT = rf"[A-Za-z0-9](?:[A-Za-z0-9._-]{{0,{MAX_NAME_LEN - 2}}}[A-Za-z0-9_-])?"
+_SAFE_PATH_RE = re.compile(rf"{_SAFE_SEGMENT}(?:/{_SAFE_SEGMENT}){{0,{MAX_PATH_DEPTH - 1}}}")
 
 
 def check_rollout_id(rollout_id: str, where: str = "rollout_id") -> str:
@@ -108,6 +113,18 @@ def check_relative_path(path: str, where: str = "path") -> str:
     Refuses absolute paths, ``..`` and ``.`` segments, backslashes, NUL and empty segments, so that
     nothing a manifest or a participant names can point outside the snapshot folder.
     """
+    if _safe_path_at_once(path):
+        return path  # one match, not one per segment: a restore checks 20,000 paths
+    return _checked_by_segment(path, where)
+
+
+def _safe_path_at_once(path: object) -> bool:
+    """Whether ``path`` follows every rule of :func:`_checked_by_segment`, by one pattern."""
+    return isinstance(path, str) and len(path) <= MAX_PATH_LEN and _SAFE_PATH_RE.fullmatch(path) is not None
+
+
+def _checked_by_segment(path: str, where: str) -> str:
+    """:func:`check_relative_path`'s rules one by one, each failure named."""
     if not isinstance(path, str) or not path:
         raise InvalidPathError(f"{where}: empty path")
     if len(path) > MAX_PATH_LEN:

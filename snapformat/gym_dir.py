@@ -123,14 +123,15 @@ def count_records(name: str, lines: int | None, members: int | None) -> int:
     return 1
 
 
-def scan_file(path: Path, *, keep: bool = False) -> FileFacts:
+def scan_file(path: str | os.PathLike[str], *, keep: bool = False) -> FileFacts:
     """Size, SHA-256, the store's checksum, non-blank lines (a ``.jsonl``) and archive members (a
     ``.tar``) of ``path``, in one read (plus the tar headers for an archive); with ``keep``, the
     bytes read too."""
     sha, xxh = hashlib.sha256(), new_hasher()
     size, lines = 0, 0
-    archive = path.name.endswith(".tar")
-    counted = path.name.endswith(JSONL_SUFFIX)  # only a JSON-lines file's lines are records
+    name = os.path.basename(path)
+    archive = name.endswith(".tar")
+    counted = name.endswith(JSONL_SUFFIX)  # only a JSON-lines file's lines are records
     unfinished = False  # the last line of the chunks so far has a non-blank byte and no b"\n" yet
     kept: list[bytes] = []  # an archive's chunks, whose members are counted from the same read
     try:
@@ -155,7 +156,7 @@ def scan_file(path: Path, *, keep: bool = False) -> FileFacts:
     members = len(read_members(data, str(path))) if data is not None and archive else None
     return FileFacts(size=size, sha256=sha.hexdigest(), checksum=f"xxh128:{xxh.hexdigest()}",
                      lines=lines if counted else None, members=members,
-                     records=count_records(path.name, lines if counted else None, members),
+                     records=count_records(name, lines if counted else None, members),
                      data=data if keep else None)
 
 

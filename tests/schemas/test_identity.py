@@ -23,9 +23,10 @@ from schemas.errors import InvalidPathError, InvalidRecordError, SnapshotError
 from nemo_gym.episode_types import EpisodeId
 from pydantic import ValidationError
 
+from schemas import identity
 from schemas.identity import (
-    MAX_NAME_LEN, capture_key, capture_keys_down, check_capture_key, check_name, check_relative_path, check_rollout_id,
-    split_capture_key,
+    MAX_NAME_LEN, MAX_PATH_DEPTH, capture_key, capture_keys_down, check_capture_key, check_name, check_relative_path,
+    check_rollout_id, split_capture_key,
 )
 
 # Gym's suffix, only to steer generation towards valid ids; acceptance is judged by EpisodeId itself.
@@ -182,6 +183,45 @@ BAD_SEGMENTS = ["..", ".", "", "a\x00b", "a\\b", ".hidden", "x."]
 @given(path=safe_paths)
 def test_safe_relative_paths_are_accepted(path: str) -> None:
     assert check_relative_path(path) == path
+
+
+def _accepted_by_segment(path: str) -> bool:
+    try:
+        identity._checked_by_segment(path, "path")
+    except InvalidPathError:
+        return False
+    return True
+
+
+#: Paths near every rule's edge: segment lengths around MAX_NAME_LEN, depths around MAX_PATH_DEPTH,
+#: trailing dots, odd characters, and the total length around MAX_PATH_LEN.
+edge_segments = st.one_of(
+    safe_names, st.sampled_from(BAD_SEGMENTS + ["a.", "a-", "_", "-", "a..b", "A9", "é", "a b", "a/"]),
+    st.builds(lambda n, end: "a" * n + end, st.integers(MAX_NAME_LEN - 3, MAX_NAME_LEN + 1), st.sampled_from(["", ".", "_"])),
+    st.text(st.characters(max_codepoint=0x7f), max_size=6))
+edge_paths = st.one_of(
+    st.lists(edge_segments, min_size=0, max_size=18).map("/".join), st.text(max_size=40),
+    st.builds(lambda n: "/".join(["a" * 60] * n), st.integers(15, 18)),
+    st.builds(lambda parts, last: "/".join([*parts, last]), st.lists(safe_names, max_size=17),
+              st.sampled_from(["x", "x.", "x..", "x-", "-x", "_x", ".x", "x/"])))
+
+
+@given(path=edge_paths)
+@example(path="/".join(["a"] * MAX_PATH_DEPTH)).via("the deepest path")
+@example(path="/".join(["a"] * (MAX_PATH_DEPTH + 1))).via("one segment too deep")
+@example(path="a/b.").via("a last segment ending in '.'")
+@example(path="a" * MAX_NAME_LEN).via("the longest name")
+@example(path="a" * (MAX_NAME_LEN + 1)).via("a name too long")
+@example(path="a" * (MAX_NAME_LEN - 1) + ".").via("the longest name, ending in '.'")
+def test_the_one_pattern_accepts_exactly_what_the_segment_rules_accept(path: str) -> None:
+    # The fast path may only take what the rules one by one take; and it takes all of it, so that a
+    # restore's 20,000 paths never fall to the slow one.
+    assert identity._safe_path_at_once(path) == _accepted_by_segment(path), path
+    if _accepted_by_segment(path):
+        assert check_relative_path(path) == path
+    else:
+        with pytest.raises(InvalidPathError):
+            check_relative_path(path)
 
 
 @given(parts=st.lists(safe_names, min_size=0, max_size=4), bad=st.sampled_from(BAD_SEGMENTS),
