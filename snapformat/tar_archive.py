@@ -127,7 +127,7 @@ def _fixed_header_members(data: bytes) -> list[tuple[str, bytes]] | None:
     offset, end = 0, len(data)
     while True:
         if offset + _TAR_BLOCK > end:
-            return None  # a truncated header: tarfile's rules for it (an error at the start, else the end)
+            return None  # a truncated header, or a member cut short: tarfile's rules for it
         header = data[offset:offset + _TAR_BLOCK]
         if header == _END_BLOCK:
             return members if members else None  # an empty archive: tarfile's own error or answer
@@ -139,8 +139,6 @@ def _fixed_header_members(data: bytes) -> list[tuple[str, bytes]] | None:
             return None
         size = int(size_field[:11], 8)
         start = offset + _TAR_BLOCK
-        if start + size > end:
-            return None  # a member cut short: tarfile's error
         name = name_field.split(b"\0", 1)[0].decode(tarfile.ENCODING, "surrogateescape")
         members.append((name, data[start:start + size]))
         offset = start + size + (-size % _TAR_BLOCK)

@@ -75,6 +75,7 @@ class Seen:
     headers: dict[str, str]
     body: bytes
     at: float
+    answered: bool = False  # set once its answer is ready to send (after any queued delay)
 
     @property
     def json(self) -> Any:
@@ -144,6 +145,7 @@ class FakeGym:
             status, reply, *delay = answer
             if delay:
                 await asyncio.sleep(delay[0])
+            seen.answered = True
             return Response(json.dumps(reply) if not isinstance(reply, bytes) else reply, status_code=status,
                             media_type="application/json")
 

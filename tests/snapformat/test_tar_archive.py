@@ -37,6 +37,22 @@ def tarfile_reading(data: bytes) -> list[tuple[str, bytes | None]] | type[Except
         return type(exc)
 
 
+def assert_read_as_tarfile_reads(data: bytes) -> None:
+    """``read_members`` answers what ``tarfile`` read, under Gym's rules: the members if each is a
+    regular file with a safe name, once; else (or if tarfile cannot read it) a typed error naming the
+    archive."""
+    expected = tarfile_reading(data)
+    try:
+        got = read_members(data, "a.tar")
+    except (CorruptSnapshotError, InvalidPathError) as exc:
+        assert str(exc).startswith("a.tar: ")
+        names = [] if isinstance(expected, type) else [n for n, _ in expected]
+        assert (isinstance(expected, type) or any(b is None for _, b in expected) or len(set(names)) < len(names)
+                or isinstance(exc, InvalidPathError)), (exc, expected)
+        return
+    assert list(got.items()) == expected
+
+
 def archive(members: list[tuple[str, bytes]], fmt: int, kinds: list[bytes] | None = None) -> bytes:
     """``members`` written by ``tarfile`` in format ``fmt``, with other header values than Gym's."""
     out = io.BytesIO()
@@ -82,7 +98,7 @@ def test_other_archives_are_read_as_tarfile_reads_them(members: list[tuple[str, 
     except ValueError:  # a name this format cannot hold
         assume(False)
     assert tar_archive._fixed_header_members(data) is None
-    assert tar_archive._tarfile_members(data, "a.tar") == tarfile_reading(data)
+    assert_read_as_tarfile_reads(data)
 
 
 @settings(max_examples=400, deadline=None)
@@ -99,25 +115,15 @@ def test_any_damage_to_a_gym_archive_is_read_as_tarfile_reads_it(members: list[t
         data[at % len(data)] = value
     damaged = bytes(data[:cut]) + tail if cut is not None else bytes(data) + tail
     fast = tar_archive._fixed_header_members(damaged)
-    expected = tarfile_reading(damaged)
     if fast is not None:
-        assert fast == expected
-    if isinstance(expected, type):
-        with pytest.raises(CorruptSnapshotError, match=r"^a\.tar: not a readable tar archive"):
-            tar_archive._tarfile_members(damaged, "a.tar")
-    else:
-        assert tar_archive._tarfile_members(damaged, "a.tar") == expected
+        assert fast == tarfile_reading(damaged)
+    assert_read_as_tarfile_reads(damaged)
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=3_000))
 def test_any_bytes_read_as_members_or_a_typed_error(data: bytes) -> None:
-    try:
-        members = read_members(data, "a.tar")
-    except (CorruptSnapshotError, InvalidPathError) as exc:
-        assert str(exc).startswith("a.tar: ")
-    else:
-        assert [(n, b) for n, b in members.items()] == tarfile_reading(data)
+    assert_read_as_tarfile_reads(data)
 
 
 def test_a_damaged_header_falls_back_to_tarfile_and_its_answer() -> None:
