@@ -75,6 +75,7 @@ from snapformat.gym_dir import (
     continuation_root,
     continuation_roots,
     continuation_roots_sha256,
+    decode_rows,
     decode_strict,
     document_bytes,
     folder_of,
@@ -390,12 +391,29 @@ def read_agent_dir(instance_dir: str | os.PathLike[str]
     """An agent instance's folder, every digest and reference checked against the bytes: the
     manifest, the boundary records (index order) and the continuation roots."""
     folder = Path(instance_dir)
-    checked = check_folder(folder, component="agent")
-    checkpoint_dir = _checkpoint_dir_of(folder, checked.base)
+    # Each file read once: the check hashes every archive member against its index row and keeps the
+    # bytes it hashed, which are decoded here (the restore used to read each archive three times).
+    checked = check_folder(folder, component="agent", keep=True)
+    _checkpoint_dir_of(folder, checked.base)
     manifest: AgentManifest = checked.manifest
-    records = read_agent_archives(folder, manifest.archives, checked.index)
-    roots = read_jsonl(checkpoint_dir, manifest.continuation_index, AgentContinuationRoot)
+    records = _kept_records(folder, checked.archives, checked.index)
+    roots_name = ref_name(manifest.continuation_index, checked.base, f"{folder / MANIFEST_NAME}: continuation_index")
+    roots = decode_rows(checked.files[roots_name], AgentContinuationRoot, str(folder / roots_name))
     return manifest, records, roots
+
+
+def _kept_records(folder: Path, archives: dict[str, dict[str, bytes]], index: list[AgentIndexEntry]
+                  ) -> list[AgentBoundaryRecord]:
+    """The records of ``index``, in its order, decoded from the member bytes the check held to each row.
+    Consumes ``archives``: an archive's bytes are let go after its last row, so the records and the
+    bytes not yet decoded are held at once, never the records and every byte."""
+    last_row = {row.archive: n for n, row in enumerate(index)}
+    records = []
+    for n, row in enumerate(index):
+        records.append(_row_record(folder, archives[row.archive][row.member], row, n))
+        if last_row[row.archive] == n:
+            del archives[row.archive]
+    return records
 
 
 def iter_agent_dir(instance_dir: str | os.PathLike[str]) -> tuple[AgentManifest, Iterator[AgentBoundaryRecord]]:
@@ -472,9 +490,19 @@ def _indexed_record(folder: Path, members: dict[str, bytes], row: AgentIndexEntr
     if len(data) != row.bytes or sha256_hex(data) != row.sha256:
         raise CorruptSnapshotError(f"{where()}: {len(data)} bytes with sha256 {sha256_hex(data)}, {at()} expects "
                                    f"{row.bytes} bytes with sha256 {row.sha256}")
+    return _row_record(folder, data, row, n)
+
+
+def _row_record(folder: Path, data: bytes, row: AgentIndexEntry, n: int) -> AgentBoundaryRecord:
+    """The record in member bytes ``data`` already held to index row ``n`` (0-based; its ``bytes`` and
+    ``sha256``), decoded strictly and checked to be the row's rollout attempt."""
+    def where() -> str:  # built only for an error, as in _indexed_record
+        return f"{folder / row.archive}: member {row.member!r}"
+
     rec: AgentBoundaryRecord = decode_strict(data, AgentBoundaryRecord, where)
     if (rec.rollout_id, rec.attempt_index) != (row.rollout_id, row.attempt_index):
-        raise CorruptSnapshotError(f"{where()}: holds ({rec.rollout_id!r}, {rec.attempt_index}), {at()} expects "
+        raise CorruptSnapshotError(f"{where()}: holds ({rec.rollout_id!r}, {rec.attempt_index}), "
+                                   f"{folder / AGENT_INDEX_NAME}: row {n + 1} expects "
                                    f"({row.rollout_id!r}, {row.attempt_index})")
     return rec
 

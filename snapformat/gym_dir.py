@@ -91,6 +91,15 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class MemberFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """One member of a ``.tar`` archive, as the scan of the archive found it."""
+
+    size: int
+    sha256: str
+    #: The member's bytes, if the scan was asked to keep them.
+    data: bytes | None = None
+
+
 class FileFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What one pass over a file's bytes found."""
 
@@ -106,8 +115,12 @@ class FileFacts(msgspec.Struct, frozen=True, kw_only=True):
     members: int | None
     #: A part manifest's ``records`` for the file (:func:`count_records`).
     records: int
-    #: The bytes read, if the scan was asked to keep them (a reader that decodes the file next).
+    #: The bytes read, if the scan was asked to keep them (a reader that decodes the file next). Not
+    #: for a ``.tar`` archive: its members' bytes are kept instead (:attr:`archive`).
     data: bytes | None = None
+    #: Each member of a ``.tar`` archive by name, from the bytes this scan hashed: the agent check
+    #: compares them with its index rows without reading the archive again. None for other files.
+    archive: dict[str, MemberFacts] | None = None
 
 
 JSONL_SUFFIX = ".jsonl"
@@ -125,8 +138,8 @@ def count_records(name: str, lines: int | None, members: int | None) -> int:
 
 def scan_file(path: str | os.PathLike[str], *, keep: bool = False) -> FileFacts:
     """Size, SHA-256, the store's checksum, non-blank lines (a ``.jsonl``) and archive members (a
-    ``.tar``) of ``path``, in one read (plus the tar headers for an archive); with ``keep``, the
-    bytes read too."""
+    ``.tar``: each member's size and SHA-256) of ``path``, in one read; with ``keep``, the bytes
+    read too (an archive's as its members' bytes)."""
     sha, xxh = hashlib.sha256(), new_hasher()
     size, lines = 0, 0
     name = os.path.basename(path)
@@ -153,11 +166,20 @@ def scan_file(path: str | os.PathLike[str], *, keep: bool = False) -> FileFacts:
         raise CorruptSnapshotError(f"{path}: cannot read: {exc}") from None
     lines += unfinished  # a last line without b"\n" counts too
     data = b"".join(kept) if archive or keep else None
-    members = len(read_members(data, str(path))) if data is not None and archive else None
+    del kept
+    found: dict[str, MemberFacts] | None = None
+    if archive:
+        assert data is not None
+        # Each member hashed here, from the bytes just read: the agent check used to read and parse
+        # every archive again for its members' digests (and the agent's restore a third time).
+        found = {member: MemberFacts(size=len(body), sha256=sha256_hex(body), data=body if keep else None)
+                 for member, body in read_members(data, str(path)).items()}
+        data = None
+    members = len(found) if found is not None else None
     return FileFacts(size=size, sha256=sha.hexdigest(), checksum=f"xxh128:{xxh.hexdigest()}",
                      lines=lines if counted else None, members=members,
                      records=count_records(name, lines if counted else None, members),
-                     data=data if keep else None)
+                     data=data if keep else None, archive=found)
 
 
 def non_blank_lines(data: bytes) -> int:
@@ -834,8 +856,12 @@ class GymFolder(msgspec.Struct, frozen=True, kw_only=True):
     #: Rows of ``agent-index.jsonl`` (agents only).
     index: list[AgentIndexEntry] = []
     #: The checked bytes of every file of the folder, by name, if :func:`check_folder` was asked to
-    #: keep them: a reader decodes these instead of reading each file a second time.
+    #: keep them: a reader decodes these instead of reading each file a second time. An archive is
+    #: not among them: its members are (:attr:`archives`).
     files: dict[str, bytes] = {}
+    #: The checked bytes of every member of each ``.tar`` archive, by archive and member name, if
+    #: :func:`check_folder` was asked to keep them.
+    archives: dict[str, dict[str, bytes]] = {}
 
 
 def check_folder(folder: Path, *, component: str | None = None, base: str | None = None,
@@ -865,7 +891,9 @@ def check_folder(folder: Path, *, component: str | None = None, base: str | None
         for name, digest in sorted(manifest.files.items()):  # type: ignore[union-attr]
             _check_digest(name, digest, facts, folder, f"{where}: files[{name!r}]")
     return GymFolder(component=component, base=named, manifest=manifest, manifest_digest=sha256_hex(data),
-                     index=index, files={name: f.data for name, f in facts.items() if f.data is not None})
+                     index=index, files={name: f.data for name, f in facts.items() if f.data is not None},
+                     archives={name: {member: m.data for member, m in f.archive.items() if m.data is not None}
+                               for name, f in facts.items() if keep and f.archive is not None})
 
 
 def _check_agent(folder: Path, base: str, manifest: AgentManifest, facts: dict[str, FileFacts],
@@ -893,33 +921,38 @@ def _check_agent(folder: Path, base: str, manifest: AgentManifest, facts: dict[s
     total = sum(a.members for a in manifest.archives)
     if total != manifest.records:
         raise CorruptSnapshotError(f"{where}: the archives hold {total} members, records expects {manifest.records}")
-    index = read_rows(folder / index_name, AgentIndexEntry)
+    index_where = str(folder / index_name)
+    kept = facts[index_name].data
+    index = (decode_rows(kept, AgentIndexEntry, index_where) if kept is not None
+             else read_rows(folder / index_name, AgentIndexEntry))
     by_archive: dict[str, dict[str, AgentIndexEntry]] = {name: {} for name in archives}
     seen: set[tuple[str, int]] = set()
-    index_where = str(folder / index_name)
     for n, row in enumerate(index, 1):
-        at = f"{index_where}: row {n}"
         if (row.rollout_id, row.attempt_index) in seen:
-            raise CorruptSnapshotError(f"{at}: ({row.rollout_id!r}, {row.attempt_index}) is indexed twice")
+            raise CorruptSnapshotError(f"{index_where}: row {n}: ({row.rollout_id!r}, {row.attempt_index}) is "
+                                       "indexed twice")
         seen.add((row.rollout_id, row.attempt_index))
         expected = attempt_member(row.rollout_id, row.attempt_index)
         if row.member != expected:
-            raise CorruptSnapshotError(f"{at}: member is {row.member!r}, expected {expected!r}")
+            raise CorruptSnapshotError(f"{index_where}: row {n}: member is {row.member!r}, expected {expected!r}")
         if row.archive not in by_archive:
-            raise CorruptSnapshotError(f"{at}: archive {row.archive!r} is not among the manifest's archives "
-                                       f"({', '.join(sorted(archives)) or 'none'})")
+            raise CorruptSnapshotError(f"{index_where}: row {n}: archive {row.archive!r} is not among the manifest's "
+                                       f"archives ({', '.join(sorted(archives)) or 'none'})")
         by_archive[row.archive][row.member] = row
     for name, rows in by_archive.items():
-        members = read_tar_members(folder / name)
+        # The scan's members: its count matched the manifest's above, so the archive was read as one.
+        members = facts[name].archive
+        assert members is not None
         for member, row in rows.items():
-            data = members.get(member)
-            at = f"{folder / name}: member {member!r}"
-            if data is None:
-                raise CorruptSnapshotError(f"{at}: missing, but {index_where} indexes it")
-            if len(data) != row.bytes:
-                raise CorruptSnapshotError(f"{at}: bytes is {len(data)}, {index_where} expects {row.bytes}")
-            if sha256_hex(data) != row.sha256:
-                raise CorruptSnapshotError(f"{at}: sha256 is {sha256_hex(data)}, {index_where} expects {row.sha256}")
+            got = members.get(member)
+            if got is None:
+                raise CorruptSnapshotError(f"{folder / name}: member {member!r}: missing, but {index_where} indexes it")
+            if got.size != row.bytes:
+                raise CorruptSnapshotError(f"{folder / name}: member {member!r}: bytes is {got.size}, {index_where} "
+                                           f"expects {row.bytes}")
+            if got.sha256 != row.sha256:
+                raise CorruptSnapshotError(f"{folder / name}: member {member!r}: sha256 is {got.sha256}, {index_where} "
+                                           f"expects {row.sha256}")
         extra = sorted(set(members) - set(rows))
         if extra:
             raise CorruptSnapshotError(f"{folder / name}: members {extra} have no row in {index_where}")
@@ -981,7 +1014,28 @@ def read_rows(path: Path, row_type: Any, where: str | None = None) -> list[Any]:
     return _read_rows(path, row_type, where or str(path), None)
 
 
+def decode_rows(data: bytes, row_type: Any, where: str) -> list[Any]:
+    """Every non-blank line of ``data`` (a file's bytes, already checked) decoded strictly as
+    ``row_type``, errors naming ``where`` and the line, as :func:`read_rows` reads a file."""
+    return _chunk_rows((data,), row_type, where, None)
+
+
 def _read_rows(path: Path, row_type: Any, where: str, ref: ArtifactRef | None) -> list[Any]:
+    try:
+        with open(path, "rb") as fh:
+            # Whole chunks hashed and split at once: a line at a time (file iteration, a hash update and
+            # a size per line) was about half of a resources server's read of the agents' indexes on
+            # restore (py-spy), the other half decoding.
+            return _chunk_rows(iter(lambda: fh.read(_CHUNK), b""), row_type, where, ref)
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{where}: missing") from None
+    except OSError as exc:
+        raise CorruptSnapshotError(f"{where}: cannot read: {exc}") from None
+
+
+def _chunk_rows(chunks: Iterable[bytes], row_type: Any, where: str, ref: ArtifactRef | None) -> list[Any]:
+    """The rows of a file read as ``chunks``; with ``ref``, its ``bytes``, ``sha256`` and ``records``
+    checked before a decoding error is raised (bytes first, then meaning)."""
     sha = hashlib.sha256()
     size, records, n = 0, 0, 0
     rows: list[Any] = []
@@ -1001,21 +1055,13 @@ def _read_rows(path: Path, row_type: Any, where: str, ref: ArtifactRef | None) -
                 except (InvalidRecordError, CorruptSnapshotError) as exc:
                     failure = exc  # reported after the digest: bytes first, then meaning
 
-    try:
-        with open(path, "rb") as fh:
-            # Whole chunks hashed and split at once: a line at a time (file iteration, a hash update and
-            # a size per line) was about half of a resources server's read of the agents' indexes on
-            # restore (py-spy), the other half decoding.
-            while chunk := fh.read(_CHUNK):
-                sha.update(chunk)
-                size += len(chunk)
-                lines = (carry + chunk).split(b"\n")
-                carry = lines.pop()
-                take(lines)
-    except FileNotFoundError:
-        raise CorruptSnapshotError(f"{where}: missing") from None
-    except OSError as exc:
-        raise CorruptSnapshotError(f"{where}: cannot read: {exc}") from None
+    for chunk in chunks:
+        if ref is not None:
+            sha.update(chunk)
+        size += len(chunk)
+        lines = (carry + chunk).split(b"\n")
+        carry = lines.pop()
+        take(lines)
     if carry:
         take([carry])  # a last line without b"\n"
     if ref is not None:

@@ -303,6 +303,30 @@ def test_agent_folder_layout_manifest_bytes_and_digest(tmp_path: Path) -> None:
     assert cd.read_agent_dir(tmp_path / "u" / "agent")[1:] == ([], [])
 
 
+def test_an_agents_restore_reads_each_file_of_its_folder_once(tmp_path: Path, monkeypatch) -> None:
+    # The check hashes every member against its index row and keeps the bytes it hashed; the records are
+    # decoded from those. Each archive used to be read three times (scan, member check, decode).
+    folder = _agent_dir(tmp_path, n=600)  # two archives: at most 512 members each
+    opened: list[str] = []
+    real_open = io.open
+
+    def counted(file, *args, **kwargs):
+        opened.append(os.path.relpath(os.fspath(file), folder))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counted)  # Path.read_bytes opens through io.open
+    monkeypatch.setattr("builtins.open", counted)
+    manifest, records, roots = cd.read_agent_dir(folder)
+    monkeypatch.undo()
+    names = ["agent-part-000000.tar", "agent-part-000001.tar", AGENT_INDEX_NAME, CONTINUATIONS_NAME]
+    assert [a.name for a in manifest.archives] == names[:2]
+    assert {name: opened.count(name) for name in names} == dict.fromkeys(names, 1)
+    assert (len(records), len(roots)) == (601, 600)
+    indexed = [json.loads(line)["rollout_id"] for line in (folder / AGENT_INDEX_NAME).read_bytes().splitlines()]
+    assert [r.rollout_id for r in records] == indexed and set(indexed) == {f"r{i}" for i in range(600)} | {"parked"}
+    assert {r.rollout_id: r.resource_state_revisions for r in records}["r599"] == {"tools": 599}
+
+
 def test_agent_folder_tampering_is_named(tmp_path: Path) -> None:
     folder = _agent_dir(tmp_path)
     archive = folder / "agent-part-000000.tar"

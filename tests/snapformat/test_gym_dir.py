@@ -5,8 +5,10 @@ the whole builds, and a failing stream leaves no file behind."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import tarfile
 from pathlib import Path
 
 import msgspec
@@ -18,6 +20,7 @@ from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecord
 from schemas.gym_files import ArtifactRef, ExternalStorageReference
 from snapformat import gym_dir
 from snapformat.gym_dir import DurableFiles, JsonlChunks, continuation_roots_sha256, jsonl_bytes, write_jsonl
+from snapformat.tar_archive import tar_bytes
 from tests.gym_record_strategies import continuation_roots
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -153,6 +156,11 @@ def test_rows_read_in_chunks_are_the_rows_read_a_line_at_a_time(tmp_path_factory
     except (InvalidRecordError, CorruptSnapshotError) as exc:
         got = (type(exc), str(exc))
     assert got == expected
+    try:  # the checked bytes a reader kept decode the same way, errors named by line alike
+        kept: object = gym_dir.decode_rows(data, ExternalStorageReference, str(path))
+    except (InvalidRecordError, CorruptSnapshotError) as exc:
+        kept = (type(exc), str(exc))
+    assert kept == expected
     ref = ArtifactRef(relative_path="refs.jsonl", sha256=hashlib.sha256(data).hexdigest(),
                       records=sum(1 for line in data.split(b"\n") if line.strip()), bytes=len(data))
     if not isinstance(expected, tuple):  # a reference that holds reads the same rows; one record more does not
@@ -160,6 +168,32 @@ def test_rows_read_in_chunks_are_the_rows_read_a_line_at_a_time(tmp_path_factory
         with pytest.raises(CorruptSnapshotError, match=r"non-blank lines, the reference's records expects"):
             gym_dir.read_ref_rows(path.parent, msgspec.structs.replace(ref, records=ref.records + 1),
                                   ExternalStorageReference)
+
+
+MEMBER_NAMES = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,20}\.json", fullmatch=True)
+
+
+@SETTINGS
+@given(members=st.dictionaries(MEMBER_NAMES, st.binary(max_size=1500), max_size=6), chunk=st.integers(1, 2000),
+       keep=st.booleans())
+def test_scanning_an_archive_hashes_each_member_from_the_same_read(tmp_path_factory, monkeypatch, members, chunk: int,
+                                                                  keep: bool) -> None:
+    # The agent check compares these with its index rows instead of reading the archive again: each member's
+    # size and SHA-256 (and, kept, its bytes) as tarfile's reading of the whole file gives them.
+    path = tmp_path_factory.mktemp("scan") / "agent-part-000000.tar"
+    whole = tar_bytes(sorted(members.items()))
+    path.write_bytes(whole)
+    monkeypatch.setattr(gym_dir, "_CHUNK", chunk)
+    facts = gym_dir.scan_file(path, keep=keep)
+    with tarfile.open(fileobj=io.BytesIO(whole)) as tf:
+        judged = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}  # type: ignore[union-attr]
+    assert facts.archive == {name: gym_dir.MemberFacts(size=len(body), sha256=hashlib.sha256(body).hexdigest(),
+                                                       data=body if keep else None) for name, body in judged.items()}
+    assert (facts.members, facts.records, facts.data) == (len(judged), len(judged), None)
+    assert (facts.size, facts.sha256) == (len(whole), hashlib.sha256(whole).hexdigest())
+    other = path.with_name("doc.json")
+    other.write_bytes(whole)  # the same bytes under another name are no archive
+    assert gym_dir.scan_file(other, keep=keep).archive is None
 
 
 def test_list_folder_lists_plain_files_by_relative_name_and_refuses_links(tmp_path: Path) -> None:
