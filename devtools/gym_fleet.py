@@ -260,6 +260,10 @@ class TakenSnapshot:
     collected: dict[str, dict[str, Any]]  # the results acknowledged before the prepare, by rollout id
 
 
+#: Prepares of one :func:`take_snapshot`, as the controller's save tries them (coordinator.checkpoint.save).
+PREPARE_ATTEMPTS = 3
+
+
 def take_snapshot(gym: Gym, store: SnapshotStore, checkpoint_id: str, resume: bool = True) -> TakenSnapshot:
     """A save of every server of ``gym`` (:class:`gymkit.GymFleet`'s orders, CONTROL.md §8.1 "A
     save"): acknowledge every result the agent retains (a controller stores them first: they are
@@ -267,31 +271,53 @@ def take_snapshot(gym: Gym, store: SnapshotStore, checkpoint_id: str, resume: bo
     (its ``gym/`` folder on a local store, a staging folder otherwise); adopt each participant's
     folder as a part; publish with Gym's commit (each reply verbatim) and ``sha256:<fingerprint>``;
     then (unless ``resume`` is false) resume. Any failure before publishing aborts the checkpoint
-    (the resume calls) and abandons the draft."""
-    rows = gym.agent.get("/results")
-    gym.acknowledge(rows)
-    retained = {r["rollout_id"]: r for r in sorted(rows, key=lambda r: r["attempt_index"])}
+    (the resume calls) and abandons the draft.
+
+    A rollout that completes between the acknowledgement and the prepare makes the agent refuse
+    (``agent_prepare_incomplete``): as the controller does, the new results are acknowledged and a
+    fresh id (``<checkpoint_id>-<attempt>``) prepares, at most :data:`PREPARE_ATTEMPTS` times. The
+    id that prepared is :attr:`TakenSnapshot.checkpoint_id`."""
+    retained: dict[str, dict[str, Any]] = {}
+
+    def acknowledge() -> None:
+        rows = gym.agent.get("/results")
+        gym.acknowledge(rows)
+        retained.update({r["rollout_id"]: r for r in sorted(rows, key=lambda r: r["attempt_index"])})
+
+    async def prepare(fleet: GymFleet) -> str:
+        for attempt in range(1, PREPARE_ATTEMPTS + 1):
+            cid = checkpoint_id if attempt == 1 else f"{checkpoint_id}-{attempt}"
+            try:
+                await fleet.prepare(cid, time.time() + CONTROL_S)
+                return cid
+            except ControlCallError as exc:
+                if exc.code != "agent_prepare_incomplete" or attempt == PREPARE_ATTEMPTS:
+                    raise
+                await asyncio.to_thread(acknowledge)  # the fleet resumed everyone it had paused
+        raise AssertionError("unreachable")
+
+    acknowledge()
 
     async def save(fleet: GymFleet) -> TakenSnapshot:
+        cid = await prepare(fleet)
         deadline = time.time() + CONTROL_S
-        await fleet.prepare(checkpoint_id, deadline)
         draft = store.begin()
         cdir = save_dir(draft)
         try:
-            commit = await fleet.commit(checkpoint_id, deadline, cdir.path)
+            commit = await fleet.commit(cid, deadline, cdir.path)
             parts = await asyncio.to_thread(adopt_commit, draft, cdir, commit)
             published = await asyncio.to_thread(
                 draft.publish, receipts=parts.receipts, gym_commit=parts.gym_commit,
                 topology_fingerprint=manifest_fingerprint(fleet.fingerprint))
         except BaseException:
-            await fleet.abort(checkpoint_id, time.time() + CONTROL_S)
+            await fleet.abort(cid, time.time() + CONTROL_S)
             draft.abandon()
             raise
         finally:
             cdir.cleanup()
         if resume:
-            await fleet.resume(checkpoint_id, time.time() + CONTROL_S)
-        return TakenSnapshot(published, checkpoint_id, fleet.fingerprint, commit, retained)
+            await fleet.resume(cid, time.time() + CONTROL_S)
+        return TakenSnapshot(published, cid, fleet.fingerprint, commit, retained)
 
     return gym.fleet(save)
 

@@ -20,7 +20,7 @@ from gymkit.checkpoint_dir import read_agent_dir
 from schemas.errors import SnapshotError, TopologyMismatchError
 from schemas.gym_files import agent_instance_dir
 from schemas.topology import manifest_fingerprint
-from snapformat import SnapshotStore, verify_snapshot
+from snapformat import SnapshotStore, open_snapshot, verify_snapshot
 
 pytestmark = pytest.mark.usefixtures("tq_runtime")
 DISCARD_MODEL_SLOW_MS = 400
@@ -52,8 +52,9 @@ def test_a_run_with_saves_ends_like_an_uninterrupted_one(mode, fleet, tmp_path: 
     for s in published:  # every step timed, the pause measured
         assert {"flush_acks", "prepare", "gym_commit", "gym_adopt", "cut", "resume", "write", "publish"} <= set(s.steps_s)
         assert 0 < s.pause_s
-        if mode == "background":  # the bytes were written after the resume: not part of the pause
-            assert s.pause_s < sum(s.steps_s.values())
+        if mode == "background":  # the bytes were written after the resume, which ended the pause: the write
+            # found the pause measured (a sum of step times against the pause flaked on a loaded machine)
+            assert open_snapshot(s.snapshot_url).manifest.timings_s["pause_s"] == s.pause_s
     newest = store.latest()
     assert newest is not None and newest.manifest.topology_fingerprint == manifest_fingerprint(job.gym.fingerprint())
     timings = newest.manifest.timings_s

@@ -108,7 +108,7 @@ def test_a_snapshot_restores_into_fresh_servers_in_either_restore_order(fleet, t
 
     async def scenario():
         await nemo.discover_checkpoint_capabilities()
-        restored = await nemo.restore_checkpoint("rs-1", _deadline(), rdir.path, source_checkpoint_id="ck-1")
+        restored = await nemo.restore_checkpoint("rs-1", _deadline(), rdir.path, source_checkpoint_id=snap.checkpoint_id)
         assert [(p.component, p.name) for p in restored.participants] == [
             (MODELS, "policy0"), (AGENTS, "agent0"), (RESOURCES, "tools")]
         replies = {p.component: p.reply for p in restored.participants}

@@ -148,7 +148,7 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
         replies["responses_api_agents"].continuation_index))
     assert {(a.rollout_id, a.attempt_index) for a in replies["responses_api_models"].source_attempts} == {
         (rid, 0) for rid in roots}
-    assert replies["resources_servers"].source_checkpoint_id == "ckpt-1"
+    assert replies["resources_servers"].source_checkpoint_id == snap.checkpoint_id
     # Before resume: the restored ledger is the snapshot's; the notes sessions are attempt 1's.
     assert {(e["capture_key"], e["model_call_id"]) for e in fresh.ledger()} == {
         (t["rollout_id"], t["model_call_id"]) for t in committed}

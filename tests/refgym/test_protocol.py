@@ -973,7 +973,7 @@ def test_files_table(gym: Gym, published: TakenSnapshot) -> None:
         data = (root / folder / "manifest.json").read_bytes()
         doc = json.loads(data)
         assert data == json.dumps(doc, sort_keys=True, indent=indent).encode()
-        assert sorted(doc) == sorted(fields) and doc["schema_version"] == 2 and doc["checkpoint_id"] == "ckpt-base"
+        assert sorted(doc) == sorted(fields) and doc["schema_version"] == 2 and doc["checkpoint_id"] == published.checkpoint_id
         component = {"agent": "responses_api_agents", "model-ledger": "responses_api_models",
                      "resources": "resources_servers"}[folder.split("/")[0]]
         assert payloads[component][2]["manifest_digest"] == hashlib.sha256(data).hexdigest()
