@@ -29,6 +29,7 @@ import httpx
 import msgspec
 
 from coordinator.checkpoint.gym_parts import adopt_commit, restore_dir, save_dir
+from coordinator.checkpoint.save import PREPARE_ATTEMPTS, SETTLE_S
 from devtools.gym_forkserver import ForkServer
 from devtools.gym_procs import GymServers, ServerProcess, launch, start_servers
 from gymkit import ControlCallError, ControlClient, GymFleet
@@ -260,10 +261,6 @@ class TakenSnapshot:
     collected: dict[str, dict[str, Any]]  # the results acknowledged before the prepare, by rollout id
 
 
-#: Prepares of one :func:`take_snapshot`, as the controller's save tries them (coordinator.checkpoint.save).
-PREPARE_ATTEMPTS = 3
-
-
 def take_snapshot(gym: Gym, store: SnapshotStore, checkpoint_id: str, resume: bool = True) -> TakenSnapshot:
     """A save of every server of ``gym`` (:class:`gymkit.GymFleet`'s orders, CONTROL.md §8.1 "A
     save"): acknowledge every result the agent retains (a controller stores them first: they are
@@ -275,8 +272,8 @@ def take_snapshot(gym: Gym, store: SnapshotStore, checkpoint_id: str, resume: bo
 
     A rollout that completes between the acknowledgement and the prepare makes the agent refuse
     (``agent_prepare_incomplete``): as the controller does, the new results are acknowledged and a
-    fresh id (``<checkpoint_id>-<attempt>``) prepares, at most :data:`PREPARE_ATTEMPTS` times. The
-    id that prepared is :attr:`TakenSnapshot.checkpoint_id`."""
+    fresh id (``<checkpoint_id>-<attempt>``) prepares, at most the controller's ``PREPARE_ATTEMPTS``
+    times. The id that prepared is :attr:`TakenSnapshot.checkpoint_id`."""
     retained: dict[str, dict[str, Any]] = {}
 
     def acknowledge() -> None:
@@ -293,7 +290,10 @@ def take_snapshot(gym: Gym, store: SnapshotStore, checkpoint_id: str, resume: bo
             except ControlCallError as exc:
                 if exc.code != "agent_prepare_incomplete" or attempt == PREPARE_ATTEMPTS:
                     raise
-                await asyncio.to_thread(acknowledge)  # the fleet resumed everyone it had paused
+                # The fleet resumed everyone it had paused: rollouts parked at their end complete a
+                # moment later. Let them, so this acknowledgement takes them too (as the save does).
+                await asyncio.sleep(SETTLE_S)
+                await asyncio.to_thread(acknowledge)
         raise AssertionError("unreachable")
 
     acknowledge()
