@@ -28,11 +28,8 @@ cluster-demo: venv
 format-demo: venv
 	$(BIN)/python -m snapformat.demo --store "$(STORE)-format"
 
-# Two workers, one per core; each test module runs whole in one worker (its module fixtures start once).
-TEST_WORKERS ?= 2
-
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q
 
 soak: venv
 	OBJECTS_CRASH_WALK=400 OBJECTS_RACE_ROUNDS=100 $(BIN)/python -m pytest -q -p no:cacheprovider \
