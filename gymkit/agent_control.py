@@ -45,7 +45,7 @@ from typing import Any, Literal
 import msgspec
 from fastapi import APIRouter
 
-from gymkit.checkpoint_dir import checkpoint_root, manifest_digest, read_agent_dir, write_agent_dir
+from gymkit.checkpoint_dir import checkpoint_root, read_agent_folder, write_agent_dir
 from gymkit.control_http import AttemptQuery, CheckpointQuery, ControlRoutes, capabilities_route
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -691,15 +691,13 @@ def read_agent_checkpoint(checkpoint_dir: str, instance_name: str | None
     if not (folder / MANIFEST_NAME).is_file():
         raise ControlError("agent_checkpoint_error", f"no committed agent manifest at {folder / MANIFEST_NAME}")
     try:
-        manifest, records, roots = read_agent_dir(folder)
-        digest = manifest_digest(folder)
+        manifest, records, roots, digest = read_agent_folder(folder)  # the digest of the bytes it checked
     except (SnapshotError, OSError) as exc:
         raise _refused("agent_checkpoint_error", exc) from None
     if manifest.instance_name != instance_name:
         raise ControlError("agent_checkpoint_error", f"{folder / MANIFEST_NAME} belongs to agent instance "
                                                      f"{manifest.instance_name!r}, not {instance_name!r}")
     check_continuation_index(roots, records)
-    assert digest is not None
     return manifest, records, digest
 
 

@@ -97,7 +97,7 @@ __all__ = [
     "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "checkpoint_root", "continuation_roots",
     "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "iter_resource_dependencies",
     "jsonl_bytes",
-    "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_jsonl", "read_ledger_dir",
+    "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_agent_folder", "read_jsonl", "read_ledger_dir",
     "read_resources_dir", "record_json", "stream_agent_archives", "write_agent_archives", "write_agent_dir",
     "write_jsonl", "write_ledger_dir", "write_manifest", "write_resources_dir",
 ]
@@ -390,6 +390,13 @@ def read_agent_dir(instance_dir: str | os.PathLike[str]
                    ) -> tuple[AgentManifest, list[AgentBoundaryRecord], list[AgentContinuationRoot]]:
     """An agent instance's folder, every digest and reference checked against the bytes: the
     manifest, the boundary records (index order) and the continuation roots."""
+    manifest, records, roots, _ = read_agent_folder(instance_dir)
+    return manifest, records, roots
+
+
+def read_agent_folder(instance_dir: str | os.PathLike[str]
+                      ) -> tuple[AgentManifest, list[AgentBoundaryRecord], list[AgentContinuationRoot], str]:
+    """:func:`read_agent_dir`, and the ``manifest_digest`` of the very manifest bytes it checked."""
     folder = Path(instance_dir)
     # Each file read once: the check hashes every archive member against its index row and keeps the
     # bytes it hashed, which are decoded here (the restore used to read each archive three times).
@@ -399,7 +406,7 @@ def read_agent_dir(instance_dir: str | os.PathLike[str]
     records = _kept_records(folder, checked.archives, checked.index)
     roots_name = ref_name(manifest.continuation_index, checked.base, f"{folder / MANIFEST_NAME}: continuation_index")
     roots = decode_rows(checked.files[roots_name], AgentContinuationRoot, str(folder / roots_name))
-    return manifest, records, roots
+    return manifest, records, roots, checked.manifest_digest
 
 
 def _kept_records(folder: Path, archives: dict[str, dict[str, bytes]], index: list[AgentIndexEntry]

@@ -294,6 +294,7 @@ def test_agent_folder_layout_manifest_bytes_and_digest(tmp_path: Path) -> None:
     manifest, records, roots = cd.read_agent_dir(folder)
     assert data == json.dumps(msgspec.to_builtins(manifest), sort_keys=True, indent=2).encode()
     assert cd.manifest_digest(folder) == hashlib.sha256(data).hexdigest() == cd.manifest_bytes(manifest)[1]
+    assert cd.read_agent_folder(folder) == (manifest, records, roots, hashlib.sha256(data).hexdigest())
     assert (manifest.records, len(records), len(roots)) == (6, 6, 5)
     assert manifest.continuation_index.relative_path == f"{agent_instance_dir('agent0')}/{CONTINUATIONS_NAME}"
     assert [r.capture_key for r in roots] == sorted(r.capture_key for r in roots)
