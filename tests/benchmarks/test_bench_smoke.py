@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import format_bench, run
 from snapformat.store import local as local_store
@@ -29,6 +30,7 @@ EXPECTED = [
 ]
 
 
+@SMALLEST_RUN
 def test_format_bench_tiny_run(tmp_path: Path, capsys) -> None:
     results, scratch = tmp_path / "results", tmp_path / "scratch"
     argv = ["--size-gib", str(8 / 1024), "--repeats", "1", "--section", "format",
@@ -68,6 +70,7 @@ def test_quick_options_and_report_names() -> None:
     assert opts.size_gib == 2 and opts.repeats == 3 and opts.cold
 
 
+@SMALLEST_RUN
 def test_format_section_runs_every_default_size(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(run, "FORMAT_SIZES_GIB", (0.002, 0.004))
     monkeypatch.setattr(run, "LARGE_GIB", 0.004)

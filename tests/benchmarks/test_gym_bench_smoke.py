@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import gym_bench, run
 
 COUNTS = (5, 10)
 
 
+@SMALLEST_RUN
 def test_gym_bench_tiny_run(tmp_path: Path) -> None:
     res = gym_bench.run(counts=COUNTS, quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch")
 

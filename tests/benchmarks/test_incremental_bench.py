@@ -7,10 +7,10 @@ and the report, JSON and plot are written. No timing assertions."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import incremental_bench as ib
 from benchmarks import run
@@ -32,7 +32,7 @@ def test_gc_windows_cover_every_object_once_shared_by_neighbours() -> None:
     assert set().union(*(range(lo, hi) for lo, hi in windows)) == set(range(1_000))
 
 
-@pytest.mark.skipif(not os.environ.get("BENCH_SMOKE"), reason="a smallest run of the sections with Ray and TransferQueue: make bench runs it first (BENCH_SMOKE=1), keeping make test under 15 minutes")
+@SMALLEST_RUN
 def test_smallest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ib, "QUICK", ib.SMALLEST)
     results, scratch = tmp_path / "results", tmp_path / "scratch"

@@ -7,11 +7,10 @@ the scratch folder is cleaned up. No timing assertions."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import controller_bench, discovery_bench, memory_bench, run, tq_bench
 
@@ -35,7 +34,7 @@ def test_new_sections_are_registered() -> None:
     assert memory_bench.FULL["sizes"] == (100 << 20, 500 << 20, 1 << 30)
 
 
-@pytest.mark.skipif(not os.environ.get("BENCH_SMOKE"), reason="a smallest run of the sections with Ray and TransferQueue: make bench runs it first (BENCH_SMOKE=1), keeping make test under 15 minutes")
+@SMALLEST_RUN
 def test_new_sections_smallest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in (tq_bench, controller_bench, discovery_bench, memory_bench):
         monkeypatch.setattr(mod, "QUICK", mod.SMALLEST)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench_smoke import SMALLEST_RUN
+
 from benchmarks import parked_bench as pb
 
 N, SERVERS = 300, 2
 
 
+@SMALLEST_RUN
 def test_the_smallest_run_writes_adopts_verifies_and_reads_back_every_record(tmp_path: Path) -> None:
     logged: list[str] = []
     result = pb.run([N], 1, SERVERS, tmp_path / "scratch", tmp_path, True, logged.append,

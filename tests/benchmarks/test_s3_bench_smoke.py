@@ -5,11 +5,12 @@ timing assertions."""
 
 from __future__ import annotations
 
-
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import s3_bench
 
 
+@SMALLEST_RUN
 def test_s3_bench_tiny_run() -> None:
     res = s3_bench.run(size_gib=0.02, quick=True, log=lambda _msg: None)
 

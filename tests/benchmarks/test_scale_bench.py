@@ -10,12 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import run, scale_bench
 
 POINT = (2, 40)
 
 
+@SMALLEST_RUN
 def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch",

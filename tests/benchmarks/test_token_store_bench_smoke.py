@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-
+from bench_smoke import SMALLEST_RUN
 
 from benchmarks import run, token_store_bench
 
@@ -27,6 +27,7 @@ def test_built_rollout_is_a_gym_chain() -> None:
     assert all(e.digest and e.continuation_fingerprint for e in entries)
 
 
+@SMALLEST_RUN
 def test_smallest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(token_store_bench, "QUICK", token_store_bench.SMALLEST)
     results, scratch = tmp_path / "results", tmp_path / "scratch"
