@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import boto3
 import botocore.config
@@ -24,6 +25,7 @@ import botocore.config
 ACCESS_KEY = "snapformat-test"
 SECRET_KEY = "snapformat-test-secret"
 _START_TIMEOUT_S = 60.0
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -170,12 +172,15 @@ def seaweedfs(workdir: str | None = None) -> S3Server:
 
 
 def moto(workdir: str | None = None) -> S3Server:
-    """moto's S3 server on loopback (AWS's exact error shapes)."""
+    """moto's S3 server on loopback (AWS's exact error shapes), its writes one at a time so a
+    create-only PUT is atomic as on AWS (``devtools/moto_server.py`` says why)."""
     owned = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="snapformat-moto-")
     port = free_port()
-    argv = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
-    server = S3Server("moto", f"http://127.0.0.1:{port}", argv, dict(os.environ), workdir,
+    argv = [sys.executable, "-m", "devtools.moto_server", "-H", "127.0.0.1", "-p", str(port)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    server = S3Server("moto", f"http://127.0.0.1:{port}", argv, env, workdir,
                       log_path=os.path.join(workdir, "moto.log"), _owned_dir=owned)
     server.start()
     atexit.register(server.cleanup)

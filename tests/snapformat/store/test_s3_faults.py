@@ -131,6 +131,8 @@ def zygote() -> Iterator[Zygote]:
 # -- 1. publish race --------------------------------------------------------------------------
 RACERS, PROCESSES = 16, 4  # 4 processes x 4 threads: races across and within processes
 ROUNDS = {"seaweed": 5, "moto_s3": 3}  # moto (a Python emulator) is slower: 3 rounds of 16 there
+# moto's own server does not make a create-only PUT atomic; the tests' one does, as AWS does
+# (devtools/moto_server.py). Without it this test once saw two winners of a round on moto.
 
 
 @pytest.mark.slow
