@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
+
 from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError
 from schemas.gym_files import (
     AGENT_ARCHIVE_MAX_BYTES,
@@ -435,6 +437,24 @@ def iter_agent_dir(instance_dir: str | os.PathLike[str]) -> tuple[AgentManifest,
     return manifest, iter_agent_records(folder, manifest.archives, checked.index)
 
 
+class _IndexKey(msgspec.Struct, frozen=True):
+    """What :func:`iter_resource_dependencies` needs of an ``agent-index.jsonl`` row (other fields
+    read past, not checked)."""
+
+    rollout_id: str
+    attempt_index: int
+    archive: str
+
+
+class _RootRevisions(msgspec.Struct, frozen=True):
+    """What :func:`iter_resource_dependencies` needs of a ``continuations.jsonl`` row (other fields
+    read past, not checked)."""
+
+    rollout_id: str
+    attempt_index: int
+    resource_state_revisions: dict[str, int] | None = None
+
+
 def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
                                ) -> Iterator[tuple[tuple[str, int], dict[str, int]]]:
     """What each boundary record of an agent instance's folder says it saw of the resources servers:
@@ -450,6 +470,13 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
     the manifest binds through the index's reference. Archives are not hashed whole: a resources
     server restoring reads the agents' small index files, not their records (the agent's own restore
     checks every byte of its folder).
+
+    The index rows and the roots are decoded only as far as this read needs: each row's rollout id
+    and attempt (and archive), each root's revisions; their other fields, and Gym's rules on the ids
+    and capture keys, are left to the agent's own restore and the coordinator's check, which decode
+    them whole. Every one of S resources servers reads all N rows, so a row's cost counts S x N
+    times: decoded whole, the rows were most of a resources server's restore at 100,000 rollouts.
+    A record without a root is read from a fully decoded index row.
     """
     folder = Path(instance_dir)
     manifest = cast(AgentManifest, load_manifest(folder, "agent")[1])  # decoded as the agent's struct
@@ -458,18 +485,22 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
     where = str(folder / MANIFEST_NAME)
     for field, ref in (("record_index", manifest.record_index), ("continuation_index", manifest.continuation_index)):
         ref_name(ref, base, f"{where}: {field}")  # the reference must name a file of this folder
-    index: list[AgentIndexEntry] = read_ref_rows(checkpoint_dir, manifest.record_index, AgentIndexEntry)
+    index: list[_IndexKey] = read_ref_rows(checkpoint_dir, manifest.record_index, _IndexKey)
     if len(index) != manifest.records:
         raise CorruptSnapshotError(f"{where}: records is {manifest.records}, the record index has {len(index)} rows")
     roots = {(r.rollout_id, r.attempt_index): r.resource_state_revisions
-             for r in read_ref_rows(checkpoint_dir, manifest.continuation_index, AgentContinuationRoot)}
+             for r in read_ref_rows(checkpoint_dir, manifest.continuation_index, _RootRevisions)}
     unrooted: dict[str, list[int]] = {}
-    for n, row in enumerate(index):
-        revisions = roots.get((row.rollout_id, row.attempt_index))
+    for n, key in enumerate(index):
+        revisions = roots.get((key.rollout_id, key.attempt_index))
         if revisions is not None:
-            yield (row.rollout_id, row.attempt_index), revisions
+            yield (key.rollout_id, key.attempt_index), revisions
         else:
-            unrooted.setdefault(row.archive, []).append(n)
+            unrooted.setdefault(key.archive, []).append(n)
+    if not unrooted:
+        return
+    # rare (records parked before their first model call): the index again, whole, for those rows
+    rows: list[AgentIndexEntry] = read_ref_rows(checkpoint_dir, manifest.record_index, AgentIndexEntry)
     archives = {a.name for a in manifest.archives}
     for name, positions in unrooted.items():
         if name not in archives:
@@ -477,7 +508,7 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
                                        "among the manifest's archives")
         members = read_tar_members(folder / name)
         for n in positions:
-            rec = _indexed_record(folder, members, index[n], n)
+            rec = _indexed_record(folder, members, rows[n], n)
             yield (rec.rollout_id, rec.attempt_index), rec.resource_state_revisions
 
 
