@@ -73,7 +73,15 @@ __all__ = ["NemoGym", "remote"]
 
 CONTROL_TIMEOUT_S = 60.0  # calls without a deadline of their own (capabilities, acknowledgements, rollouts)
 MAX_PARALLEL_STARTS = 16
-KEEPALIVE_EXPIRY_S = 2.0  # below any server's keep-alive (uvicorn's default is 5 s)
+#: The pool closes no idle connection of its own accord (no expiry; as many kept alive as it holds).
+#: httpcore 1.0 closes an expired or surplus idle connection even when it has just handed it to a
+#: request that has not started yet, and the request then fails mid-send (``ReadError`` /
+#: ``WriteError`` from a ``ClosedResourceError``): with a 2 s expiry, 100 agents' restore (or commit)
+#: called at once failed that way in every run (scale benchmark, 100 servers x 10,000 rollouts), the
+#: connections from discovery expiring while the fan-out was handed them. A connection the server has
+#: closed is still dropped before reuse (httpcore sees its socket readable), and an idempotent call
+#: whose connection drops under it is sent once more (``gymkit.control_client``).
+KEEPALIVE_EXPIRY_S: float | None = None
 #: Connections of the actor's HTTP pool: one per server plus the rollout starts in flight, so a step's
 #: fan-out (every server of a component called at once) is never queued behind the pool. A fixed 32
 #: made the 33rd agent's prepare wait for an earlier agent to finish parking: with 100 agents the
@@ -131,7 +139,7 @@ class NemoGym:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
                 max_connections=self._connections, max_keepalive_connections=self._connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S))  # kept alive, every server's (httpx keeps 20 by default)
+                keepalive_expiry=KEEPALIVE_EXPIRY_S))  # every one kept alive (httpx keeps 20 by default)
         return self._http
 
     async def close(self) -> None:
