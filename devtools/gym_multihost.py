@@ -122,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = msgspec.json.decode(Path(args.spec).read_bytes(), type=HostSpec)
     try:
         import uvloop  # uvicorn's own choice when installed
-
-        uvloop.run(_serve(spec, Path(args.ready)))
     except ImportError:
-        asyncio.run(_serve(spec, Path(args.ready)))
+        uvloop = None
+    # Run outside the except clause: else every error the servers log carries the ImportError as
+    # its context ("During handling of the above exception...").
+    (uvloop.run if uvloop is not None else asyncio.run)(_serve(spec, Path(args.ready)))
     return 0
 
 
