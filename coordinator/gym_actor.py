@@ -73,15 +73,11 @@ __all__ = ["NemoGym", "remote"]
 
 CONTROL_TIMEOUT_S = 60.0  # calls without a deadline of their own (capabilities, acknowledgements, rollouts)
 MAX_PARALLEL_STARTS = 16
-#: The pool closes no idle connection of its own accord (no expiry; as many kept alive as it holds).
-#: httpcore 1.0 closes an expired or surplus idle connection even when it has just handed it to a
-#: request that has not started yet, and the request then fails mid-send (``ReadError`` /
-#: ``WriteError`` from a ``ClosedResourceError``): with a 2 s expiry, 100 agents' restore (or commit)
-#: called at once failed that way in every run (scale benchmark, 100 servers x 10,000 rollouts), the
-#: connections from discovery expiring while the fan-out was handed them. A connection the server has
-#: closed is still dropped before reuse (httpcore sees its socket readable), and an idempotent call
-#: whose connection drops under it is sent once more (``gymkit.control_client``).
-KEEPALIVE_EXPIRY_S: float | None = None
+#: Below any server's keep-alive (uvicorn's default is 5 s): the pool drops a connection before the
+#: server would. Only idempotent calls ride kept-alive connections (starts, results, status,
+#: acknowledgements; sent once more if one drops under them); every other control call has a
+#: connection of its own (``gymkit.control_client.ONE_CONNECTION_PER_CALL`` says why).
+KEEPALIVE_EXPIRY_S = 2.0
 #: Connections of the actor's HTTP pool: one per server plus the rollout starts in flight, so a step's
 #: fan-out (every server of a component called at once) is never queued behind the pool. A fixed 32
 #: made the 33rd agent's prepare wait for an earlier agent to finish parking: with 100 agents the
@@ -131,21 +127,33 @@ class NemoGym:
         self._commit_order = checked_commit_order(commit_order)
         self._restore_order = checked_restore_order(restore_order)
         self._http: httpx.AsyncClient | None = None
+        self._http_once: httpx.AsyncClient | None = None
         self._fleet: GymFleet | None = None
         self._active_checkpoint_id: str | None = None  # dispatch is frozen while one is active
 
     @property
     def http(self) -> httpx.AsyncClient:
+        """The pool of the idempotent calls: connections kept alive, every server's."""
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
                 max_connections=self._connections, max_keepalive_connections=self._connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S))  # every one kept alive (httpx keeps 20 by default)
+                keepalive_expiry=KEEPALIVE_EXPIRY_S))  # kept alive, every server's (httpx keeps 20 by default)
         return self._http
 
+    @property
+    def http_once(self) -> httpx.AsyncClient:
+        """The pool of the calls that must not be sent twice: each on a connection of its own
+        (``gymkit.control_client.ONE_CONNECTION_PER_CALL``)."""
+        if self._http_once is None:
+            self._http_once = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
+                max_connections=self._connections, max_keepalive_connections=self._connections))
+        return self._http_once
+
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        for http in (self._http, self._http_once):
+            if http is not None:
+                await http.aclose()
+        self._http = self._http_once = None
 
     @property
     def fleet(self) -> GymFleet:
@@ -162,8 +170,9 @@ class NemoGym:
     async def discover_checkpoint_capabilities(self, server_names: list[str] | None = None) -> Topology:
         """Every server's capabilities (or only ``server_names``'), checked; the topology (NeMo-RL's
         contracts) and its fingerprint (bare hex)."""
-        fleet = GymFleet.connect(self._servers, self._token, self.http, control_timeout_s=self._control_timeout_s,
-                                 commit_order=self._commit_order, restore_order=self._restore_order)
+        fleet = GymFleet.connect(self._servers, self._token, self.http, once=self.http_once,
+                                 control_timeout_s=self._control_timeout_s, commit_order=self._commit_order,
+                                 restore_order=self._restore_order)
         topology = await fleet.discover(server_names)
         self._fleet = fleet
         return topology

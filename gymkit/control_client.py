@@ -87,6 +87,15 @@ DEFAULT_TIMEOUT_S = 60.0  # NeMo-RL's control timeout for calls without a deadli
 #: A request on a pooled connection that the server closed as it was sent fails like this. Only
 #: idempotent calls are sent once more.
 DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+#: Sent with every call that must not be sent twice (``Call.idempotent`` False: prepare, commit,
+#: restore, resume...): its connection is closed after the answer, and on a client that carries only
+#: such calls (``AsyncControlClient(once=...)``) every one has a connection of its own, never a
+#: kept-alive one. A kept-alive connection can be dropped under a call two ways, and such a call is
+#: not sent again: the server closes it, idle, as the call is sent (uvicorn: after 5 s by default);
+#: or httpx's pool (httpcore 1.0), closing the connections it finds expired one after another,
+#: closes one it handed to the call a moment before (ReadError mid-send: every run of 100 servers'
+#: restore failed so). A fresh connection is never idle, so neither can happen to it.
+ONE_CONNECTION_PER_CALL = {"connection": "close"}
 #: Codes of the client's own failures (``status`` None); no Gym server sends them.
 CLIENT_CODES = ("unreachable", "timeout", "bad_answer")
 
@@ -373,6 +382,8 @@ class _Routes:
 
     def _http_args(self, call: Call) -> dict[str, Any]:
         headers = {"content-type": "application/json"}
+        if not call.idempotent:
+            headers.update(ONE_CONNECTION_PER_CALL)
         token = self.token if call.token is None else call.token
         if token and call.authenticated and call.path.startswith(CONTROL_PREFIX):
             headers["authorization"] = f"Bearer {token}"
@@ -463,18 +474,25 @@ class ControlClient(_Routes):
 
 class AsyncControlClient(_Routes):
     """One Gym server's control calls over a shared ``httpx.AsyncClient`` (the caller closes it).
-    Every route method returns an awaitable."""
+    Every route method returns an awaitable.
 
-    def __init__(self, url: str, token: str, http: httpx.AsyncClient, *, timeout: float = DEFAULT_TIMEOUT_S,
-                 grace_s: float = GRACE_S, caps: Capabilities | None = None) -> None:
+    ``once``: the client for the calls that must not be sent twice (default ``http``). Give one that
+    no idempotent call uses: its connections, each closed after its answer
+    (:data:`ONE_CONNECTION_PER_CALL`), are then never idle, so such a call never rides a kept-alive
+    connection that ``http``'s idempotent calls left behind."""
+
+    def __init__(self, url: str, token: str, http: httpx.AsyncClient, *, once: httpx.AsyncClient | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, grace_s: float = GRACE_S, caps: Capabilities | None = None) -> None:
         super().__init__(url, token, timeout, grace_s, caps)
         self.http = http
+        self.once = once if once is not None else http
 
     async def _send(self, call: Call) -> Any:
         args = self._http_args(call)
+        http = self.http if call.idempotent else self.once
         for attempt in (0, 1):
             try:
-                resp = await self.http.send(self.http.build_request(**args))
+                resp = await http.send(http.build_request(**args))
                 break
             except httpx.TransportError as exc:
                 if not self._again(call, exc, attempt):
