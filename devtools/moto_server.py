@@ -43,7 +43,13 @@ class WritesOneAtATime:
         if environ.get("REQUEST_METHOD", "GET") in _READS:
             return self._app(environ, start_response)
         with self._lock:
-            return list(self._app(environ, start_response))
+            body = self._app(environ, start_response)
+            try:
+                return list(body)
+            finally:
+                close = getattr(body, "close", None)
+                if close is not None:  # WSGI: the server calls close(); the list handed on has none
+                    close()
 
 
 def _stop(signum: int, frame: Any) -> None:

@@ -62,6 +62,21 @@ def test_writes_never_overlap(method: str) -> None:
     assert inner.most == 1
 
 
+def test_a_writes_body_is_closed_as_wsgi_asks() -> None:
+    closed: list[bool] = []
+
+    class Body(list):
+        def close(self) -> None:
+            closed.append(True)
+
+    def app(environ: dict[str, Any], start_response) -> Body:
+        start_response("200 OK", [])
+        return Body([b"ok"])
+
+    assert _call_at_once(WritesOneAtATime(app), "PUT", 1) == [[b"ok"]]
+    assert closed == [True]
+
+
 def test_reads_still_overlap() -> None:
     inner = _Overlap()
     _call_at_once(WritesOneAtATime(inner), "GET", 8)
