@@ -48,7 +48,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from devtools.checkout import REPO_ROOT, child_env
+
 Log = Callable[[str], None]
 
 #: Servers of each kind (agent, model, resources); the issue's "10 agent servers" shape.
@@ -366,10 +367,9 @@ def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(step: str, args: dict[str, Any]) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.parked_bench", "--child", step, json.dumps(args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"parked child {step} N={args['n']} failed ({proc.returncode}): {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

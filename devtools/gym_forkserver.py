@@ -22,6 +22,8 @@ import threading
 import traceback
 from pathlib import Path
 
+from devtools.checkout import child_env
+
 #: Settings that keep the fork server single-threaded (checked at start-up).
 SINGLE_THREADED_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                        "JE_ARROW_MALLOC_CONF": "background_thread:false"}
@@ -84,8 +86,7 @@ class ForkServer:
     """The launcher's side: start the fork server, ask it for server processes."""
 
     def __init__(self, repo_root: Path, timeout: float = 120.0) -> None:
-        env = dict(os.environ) | SINGLE_THREADED_ENV
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
+        env = child_env(dict(os.environ) | SINGLE_THREADED_ENV, repo_root)
         self.proc = subprocess.Popen([sys.executable, "-m", "devtools.gym_forkserver"], cwd=repo_root, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lock = threading.Lock()

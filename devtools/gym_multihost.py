@@ -30,7 +30,8 @@ from typing import Any
 
 import msgspec
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from devtools.checkout import REPO_ROOT, child_env
+
 HOST = "127.0.0.1"
 KEEP_ALIVE_S = 30  # refgym.serve's: longer than any client keeps an idle connection
 
@@ -174,8 +175,7 @@ def launch(spec: HostSpec, workdir: Path, stem: str) -> MultiHost:
     spec_path, ready, log = (workdir / f"{stem}.spec.json", workdir / f"{stem}.ready.json", workdir / f"{stem}.log")
     spec_path.write_bytes(msgspec.json.encode(spec))
     ready.unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     with open(log, "wb") as out:
         popen = subprocess.Popen([sys.executable, "-m", "devtools.gym_multihost", "--spec", str(spec_path),
                                   "--ready", str(ready)], cwd=REPO_ROOT, env=env, stdout=out,

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from devtools.checkout import REPO_ROOT, child_env
 from devtools.gym_forkserver import ForkServer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCALHOST = "127.0.0.1"
 #: The four servers of a deployment, as :func:`start_servers` names them (the keys of its ``hosts``).
 ROLES = ("model", "agent", "resource", "sandbox")
@@ -143,8 +143,7 @@ def launch(component: str, name: str, workdir: Path, token_file: Path, *, port: 
         argv += ["--token-store", token_store]
     if forkserver is not None:
         return ServerProcess(component, name, forkserver.spawn(argv, log_path), port_file, log_path, host=host)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     with open(log_path, "wb") as log:
         popen = subprocess.Popen([sys.executable, "-m", "refgym.serve", *argv], cwd=REPO_ROOT, env=env, stdout=log,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from devtools.checkout import REPO_ROOT, child_env
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -73,8 +73,7 @@ class JobProcess:
         if outcome is not None:
             argv += ["--outcome", str(outcome)]
         argv += extra or []
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env = child_env()
         self._log = open(self.log_path, "ab")
         self.popen = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -17,15 +17,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import boto3
 import botocore.config
 
+from devtools.checkout import child_env
+
 ACCESS_KEY = "snapformat-test"
 SECRET_KEY = "snapformat-test-secret"
 _START_TIMEOUT_S = 60.0
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -178,8 +178,7 @@ def moto(workdir: str | None = None) -> S3Server:
     workdir = workdir or tempfile.mkdtemp(prefix="snapformat-moto-")
     port = free_port()
     argv = [sys.executable, "-m", "devtools.moto_server", "-H", "127.0.0.1", "-p", str(port)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     server = S3Server("moto", f"http://127.0.0.1:{port}", argv, env, workdir,
                       log_path=os.path.join(workdir, "moto.log"), _owned_dir=owned)
     server.start()
