@@ -437,13 +437,18 @@ def iter_agent_dir(instance_dir: str | os.PathLike[str]) -> tuple[AgentManifest,
     return manifest, iter_agent_records(folder, manifest.archives, checked.index)
 
 
-class _IndexKey(msgspec.Struct, frozen=True):
-    """What :func:`iter_resource_dependencies` needs of an ``agent-index.jsonl`` row (other fields
-    read past, not checked)."""
+class _IndexRow(msgspec.Struct, frozen=True):
+    """An ``agent-index.jsonl`` row as :func:`iter_resource_dependencies` reads it: the fields of
+    :class:`AgentIndexEntry` with their types, without Gym's rules on their values (the id's
+    pattern, the digest's form). A record read by its row is held to the row's digest and size, so
+    a row that breaks those rules cannot pass for a good one there."""
 
     rollout_id: str
     attempt_index: int
     archive: str
+    member: str
+    sha256: str
+    bytes: int
 
 
 class _RootRevisions(msgspec.Struct, frozen=True):
@@ -471,12 +476,11 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
     server restoring reads the agents' small index files, not their records (the agent's own restore
     checks every byte of its folder).
 
-    The index rows and the roots are decoded only as far as this read needs: each row's rollout id
-    and attempt (and archive), each root's revisions; their other fields, and Gym's rules on the ids
-    and capture keys, are left to the agent's own restore and the coordinator's check, which decode
-    them whole. Every one of S resources servers reads all N rows, so a row's cost counts S x N
-    times: decoded whole, the rows were most of a resources server's restore at 100,000 rollouts.
-    A record without a root is read from a fully decoded index row.
+    The index rows and the roots are decoded only as far as this read needs (:class:`_IndexRow`,
+    :class:`_RootRevisions`): Gym's rules on the ids, capture keys and digests are left to the
+    agent's own restore and the coordinator's check, which decode every row whole. Every one of S
+    resources servers reads all N rows, so a row's cost counts S x N times: decoded whole, the rows
+    were most of a resources server's restore at 100,000 rollouts.
     """
     folder = Path(instance_dir)
     manifest = cast(AgentManifest, load_manifest(folder, "agent")[1])  # decoded as the agent's struct
@@ -485,22 +489,18 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
     where = str(folder / MANIFEST_NAME)
     for field, ref in (("record_index", manifest.record_index), ("continuation_index", manifest.continuation_index)):
         ref_name(ref, base, f"{where}: {field}")  # the reference must name a file of this folder
-    index: list[_IndexKey] = read_ref_rows(checkpoint_dir, manifest.record_index, _IndexKey)
+    index: list[_IndexRow] = read_ref_rows(checkpoint_dir, manifest.record_index, _IndexRow)
     if len(index) != manifest.records:
         raise CorruptSnapshotError(f"{where}: records is {manifest.records}, the record index has {len(index)} rows")
     roots = {(r.rollout_id, r.attempt_index): r.resource_state_revisions
              for r in read_ref_rows(checkpoint_dir, manifest.continuation_index, _RootRevisions)}
     unrooted: dict[str, list[int]] = {}
-    for n, key in enumerate(index):
-        revisions = roots.get((key.rollout_id, key.attempt_index))
+    for n, row in enumerate(index):
+        revisions = roots.get((row.rollout_id, row.attempt_index))
         if revisions is not None:
-            yield (key.rollout_id, key.attempt_index), revisions
+            yield (row.rollout_id, row.attempt_index), revisions
         else:
-            unrooted.setdefault(key.archive, []).append(n)
-    if not unrooted:
-        return
-    # rare (records parked before their first model call): the index again, whole, for those rows
-    rows: list[AgentIndexEntry] = read_ref_rows(checkpoint_dir, manifest.record_index, AgentIndexEntry)
+            unrooted.setdefault(row.archive, []).append(n)
     archives = {a.name for a in manifest.archives}
     for name, positions in unrooted.items():
         if name not in archives:
@@ -508,11 +508,12 @@ def iter_resource_dependencies(instance_dir: str | os.PathLike[str]
                                        "among the manifest's archives")
         members = read_tar_members(folder / name)
         for n in positions:
-            rec = _indexed_record(folder, members, rows[n], n)
+            rec = _indexed_record(folder, members, index[n], n)
             yield (rec.rollout_id, rec.attempt_index), rec.resource_state_revisions
 
 
-def _indexed_record(folder: Path, members: dict[str, bytes], row: AgentIndexEntry, n: int) -> AgentBoundaryRecord:
+def _indexed_record(folder: Path, members: dict[str, bytes], row: AgentIndexEntry | _IndexRow,
+                    n: int) -> AgentBoundaryRecord:
     """The record of index row ``n`` (0-based) from its archive's ``members``, checked against the row."""
     # The two names below are built only for an error: paths joined per record were a fifth of an
     # agent's restore of 1,000 records (py-spy).
@@ -531,7 +532,7 @@ def _indexed_record(folder: Path, members: dict[str, bytes], row: AgentIndexEntr
     return _row_record(folder, data, row, n)
 
 
-def _row_record(folder: Path, data: bytes, row: AgentIndexEntry, n: int) -> AgentBoundaryRecord:
+def _row_record(folder: Path, data: bytes, row: AgentIndexEntry | _IndexRow, n: int) -> AgentBoundaryRecord:
     """The record in member bytes ``data`` already held to index row ``n`` (0-based; its ``bytes`` and
     ``sha256``), decoded strictly and checked to be the row's rollout attempt."""
     def where() -> str:  # built only for an error, as in _indexed_record
