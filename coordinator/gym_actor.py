@@ -131,22 +131,25 @@ class NemoGym:
         self._fleet: GymFleet | None = None
         self._active_checkpoint_id: str | None = None  # dispatch is frozen while one is active
 
+    def _pool(self) -> httpx.AsyncClient:
+        # a connection per server kept alive, every server's (httpx keeps 20 by default)
+        return httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
+            max_connections=self._connections, max_keepalive_connections=self._connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
     @property
     def http(self) -> httpx.AsyncClient:
         """The pool of the idempotent calls: connections kept alive, every server's."""
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
-                max_connections=self._connections, max_keepalive_connections=self._connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S))  # kept alive, every server's (httpx keeps 20 by default)
+            self._http = self._pool()
         return self._http
 
     @property
     def http_once(self) -> httpx.AsyncClient:
-        """The pool of the calls that must not be sent twice: each on a connection of its own
-        (``gymkit.control_client.ONE_CONNECTION_PER_CALL``)."""
+        """The pool of the calls that must not be sent twice: each on a connection of its own, closed
+        after its answer (``gymkit.control_client.ONE_CONNECTION_PER_CALL``), so none is ever idle."""
         if self._http_once is None:
-            self._http_once = httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
-                max_connections=self._connections, max_keepalive_connections=self._connections))
+            self._http_once = self._pool()
         return self._http_once
 
     async def close(self) -> None:

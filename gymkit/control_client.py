@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Self
 
 import httpx
@@ -95,7 +96,7 @@ DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 #: or httpx's pool (httpcore 1.0), closing the connections it finds expired one after another,
 #: closes one it handed to the call a moment before (ReadError mid-send: every run of 100 servers'
 #: restore failed so). A fresh connection is never idle, so neither can happen to it.
-ONE_CONNECTION_PER_CALL = {"connection": "close"}
+ONE_CONNECTION_PER_CALL: Mapping[str, str] = MappingProxyType({"connection": "close"})
 #: Codes of the client's own failures (``status`` None); no Gym server sends them.
 CLIENT_CODES = ("unreachable", "timeout", "bad_answer")
 
