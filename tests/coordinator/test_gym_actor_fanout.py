@@ -1,5 +1,6 @@
-"""The NemoGym actor's fan-out is parallel across every server (issue 22 §2): its HTTP pool has a
-connection for each Gym server, so a step that calls 40 servers at once has 40 calls in flight,
+"""The NemoGym actor's fan-out is parallel across every server (issue 22 §2): each of its HTTP pools
+(the kept-alive one of the idempotent calls, and the one of the fenced calls, a connection each) has
+a connection for each Gym server, so a step that calls 40 servers at once has 40 calls in flight,
 none queued behind another server's slow answer (a prepare waits for parking). Checked against a
 real HTTP server on 127.0.0.1 that answers only once every call has arrived."""
 
@@ -10,6 +11,7 @@ import asyncio
 import pytest
 
 from coordinator.gym_actor import MIN_CONNECTIONS, NemoGym, pool_size
+from tests.loopback_http import read_request, write_response
 
 SERVERS = MIN_CONNECTIONS + 8  # more servers than the old fixed pool of 32 connections
 
@@ -22,16 +24,12 @@ async def _barrier_server(expected: int) -> tuple[asyncio.Server, int, list[int]
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                await read_request(reader)
                 arrived[0] += 1
                 if arrived[0] >= expected:
                     everyone.set()
                 await everyone.wait()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
-                await writer.drain()
+                await write_response(writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -48,16 +46,18 @@ def test_the_pool_has_a_connection_per_server_bounded() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_every_server_of_a_step_is_called_at_once() -> None:
-    async def scenario(connections: int | None) -> int:
+@pytest.mark.parametrize("pool", ["http", "http_once"])
+def test_every_server_of_a_step_is_called_at_once(pool: str) -> None:
+    async def scenario(connections: int | None, wait_s: float) -> int:
         server, port, arrived = await _barrier_server(SERVERS)
         url = f"http://127.0.0.1:{port}"
         gym = NemoGym({f"agent{i:02d}": url for i in range(SERVERS)}, "token", connections=connections)
+        http = getattr(gym, pool)
         try:
             # What GymFleet does for one step: one call per server, all gathered. Each answer needs all.
             replies = await asyncio.wait_for(asyncio.gather(*(
-                gym.http.post(f"{url}/ng-control/v1/agent-checkpoint/prepare", json={"server": i})
-                for i in range(SERVERS))), 20)
+                http.post(f"{url}/ng-control/v1/agent-checkpoint/prepare", json={"server": i})
+                for i in range(SERVERS))), wait_s)
         except TimeoutError:
             return arrived[0]
         finally:
@@ -67,10 +67,11 @@ def test_every_server_of_a_step_is_called_at_once() -> None:
         assert all(r.status_code == 200 for r in replies)
         return arrived[0]
 
-    assert asyncio.run(scenario(None)) == SERVERS
+    assert asyncio.run(scenario(None, 20)) == SERVERS
     # With a pool smaller than the servers (the old fixed 32), only the pool's worth arrive and the step never
-    # completes: the barrier answers no call.
-    assert asyncio.run(scenario(MIN_CONNECTIONS)) == MIN_CONNECTIONS
+    # completes: the barrier answers no call. The calls that get a connection arrive within milliseconds,
+    # so 5 s shows the others were held back.
+    assert asyncio.run(scenario(MIN_CONNECTIONS, 5)) == MIN_CONNECTIONS
 
 
 def test_a_pool_of_no_connection_is_refused() -> None:

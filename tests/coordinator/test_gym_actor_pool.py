@@ -25,6 +25,7 @@ import pytest
 
 from coordinator.gym_actor import NemoGym
 from gymkit.control_client import AsyncControlClient, ControlCallError
+from tests.loopback_http import read_request, write_response
 
 SERVERS = 20
 HANDED_BEFORE_THE_JUMP = 10
@@ -61,15 +62,10 @@ class _Servers:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = (await reader.readuntil(b"\r\n\r\n")).decode().lower().split("\r\n")
-                fields = dict(line.split(": ", 1) for line in head[1:] if ": " in line)
-                await reader.readexactly(int(fields.get("content-length", "0")))
-                self.connection_headers.append(fields.get("connection", ""))
-                closing = fields.get("connection") == "close"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n"
-                             + (b"connection: close\r\n" if closing else b"") + b"\r\n{}")
-                await writer.drain()
-                if closing:
+                connection = (await read_request(reader)).headers.get("connection", "").lower()
+                self.connection_headers.append(connection)
+                await write_response(writer, close=connection == "close")
+                if connection == "close":
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass

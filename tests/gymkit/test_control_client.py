@@ -49,6 +49,7 @@ from schemas.control import (
 )
 from schemas.gym_files import ArtifactRef
 from tests.gymkit.fake_gym import ROUTES, FakeGym, refusal, serve
+from tests.loopback_http import read_request, write_response
 
 TOKEN = "s3cret-token"
 CID = "ckpt-1"
@@ -285,15 +286,10 @@ class _DropsFirstRequests:
         await self.server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        await reader.readexactly(length)
+        await read_request(reader)
         self.requests += 1
         if self.requests > self.drops:
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                         + str(len(self.reply)).encode() + b"\r\nconnection: close\r\n\r\n" + self.reply)
-            await writer.drain()
+            await write_response(writer, self.reply, close=True)
         writer.close()
 
 
