@@ -107,7 +107,7 @@ def test_moto_alone_lets_two_create_only_puts_win(wrapped: bool, monkeypatch: py
     store = S3Backend.put_object
 
     def slow_store(self, *args, **kwargs):
-        time.sleep(0.2)  # the gap between moto's check and its store, widened so every racer is in it
+        time.sleep(0.5)  # the gap between moto's check and its store, widened so every racer is in it
         return store(self, *args, **kwargs)
 
     monkeypatch.setattr(S3Backend, "put_object", slow_store)
