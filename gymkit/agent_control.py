@@ -46,6 +46,7 @@ import msgspec
 from fastapi import APIRouter
 
 from gymkit.checkpoint_dir import checkpoint_root, read_agent_folder, write_agent_dir
+from gymkit.collector import collector_held
 from gymkit.control_http import AttemptQuery, CheckpointQuery, ControlRoutes, capabilities_route
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -790,18 +791,20 @@ def agent_router(participant: AgentParticipant, executions: AgentExecutions, fen
     async def commit(req: CheckpointDirRequest) -> AgentCommitResponse:
         async def run() -> AgentCommitResponse:
             records = executions.records_for_commit()
-            return await asyncio.to_thread(commit_agent_checkpoint, req.checkpoint_dir, req.checkpoint_id,
-                                           instance_name(), records)
+            with collector_held():
+                return await asyncio.to_thread(commit_agent_checkpoint, req.checkpoint_dir, req.checkpoint_id,
+                                               instance_name(), records)
 
         return await fence.run(req.checkpoint_id, "agent-checkpoint/commit", run, allowed=COMMIT_PHASES,
                                entering="committing", success="committed_paused")
 
     async def restore(req: CheckpointDirRequest) -> AgentRestoreResponse:
         async def run() -> AgentRestoreResponse:
-            manifest, records, _ = await asyncio.to_thread(read_agent_checkpoint, req.checkpoint_dir,
-                                                           instance_name())
-            await participant.on_restore(list(records))
-            executions.install_restored(records)
+            with collector_held():
+                manifest, records, _ = await asyncio.to_thread(read_agent_checkpoint, req.checkpoint_dir,
+                                                               instance_name())
+                await participant.on_restore(list(records))
+                executions.install_restored(records)
             return AgentRestoreResponse(records=len(records), source_checkpoint_id=manifest.checkpoint_id,
                                         continuation_index=manifest.continuation_index)
 

@@ -45,6 +45,7 @@ import msgspec
 from fastapi import APIRouter
 
 from gymkit.checkpoint_dir import checkpoint_root
+from gymkit.collector import collector_held
 from gymkit.control_http import ControlRoutes, ModelStatusQuery, capabilities_route
 from gymkit.fence import ControlError, Fence, time_left
 from schemas.control import (
@@ -372,9 +373,10 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
                 raise ControlError("ledger_not_quiescent", f"model admission is {admission.state} with "
                                                            f"{admission.inflight_total} call(s) in flight")
             _usable_dir(req.checkpoint_dir)
-            return await participant.commit(ModelCommitContext(
-                checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir,
-                continuation_indexes=tuple(req.continuation_indexes)))
+            with collector_held():
+                return await participant.commit(ModelCommitContext(
+                    checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir,
+                    continuation_indexes=tuple(req.continuation_indexes)))
 
         return await fence.run(req.checkpoint_id, COMMIT, write, allowed=("prepared",), entering="committing",
                                success="committed_paused", deadline_ts=req.deadline_ts)
@@ -385,8 +387,9 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
         async def load() -> ModelRestoreResponse:
             admission.close()  # stays closed if the restore fails (restore_failed_paused)
             _usable_dir(req.checkpoint_dir)
-            reply = await participant.restore(ModelRestoreContext(
-                checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir))
+            with collector_held():
+                reply = await participant.restore(ModelRestoreContext(
+                    checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir))
             for attempt in (*reply.tombstones, *reply.source_attempts):
                 admission.tombstone(attempt.rollout_id, attempt.attempt_index)
             return reply

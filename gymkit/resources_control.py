@@ -61,6 +61,7 @@ from gymkit.checkpoint_dir import (
     read_resources_dir,
     write_resources_dir,
 )
+from gymkit.collector import collector_held
 from gymkit.control_http import ControlRoutes, DeadlineQuery, capabilities_route, json_response
 from gymkit.fence import ControlError, Fence
 from schemas.control import (
@@ -682,8 +683,9 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
         async def run() -> ResourcesCommitResponse:
             snapshots = sessions.prepared_snapshots()
             await participant.before_commit()
-            return await asyncio.to_thread(commit_resources_checkpoint, req.checkpoint_dir, req.checkpoint_id,
-                                           server_name(), snapshots)
+            with collector_held():
+                return await asyncio.to_thread(commit_resources_checkpoint, req.checkpoint_dir, req.checkpoint_id,
+                                               server_name(), snapshots)
 
         return await fence.run(req.checkpoint_id, "resources-checkpoint/commit", run, allowed=COMMIT_PHASES,
                                entering="committing", success="committed_paused")
@@ -691,11 +693,12 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
     async def restore(req: CheckpointDirRequest) -> ResourcesRestoreResponse:
         async def run() -> ResourcesRestoreResponse:
             sessions.check_restorable([])  # closes admission; unsafe_resources_restore before any file is read
-            source_id, snapshots = await asyncio.to_thread(load_resources_checkpoint, req.checkpoint_dir,
-                                                           server_name(), check_agents=check_agent_revisions)
-            replacements = sessions.check_restorable(snapshots)
-            await participant.import_states(replacements)
-            sessions.install_restored(snapshots, replacements)
+            with collector_held():
+                source_id, snapshots = await asyncio.to_thread(load_resources_checkpoint, req.checkpoint_dir,
+                                                               server_name(), check_agents=check_agent_revisions)
+                replacements = sessions.check_restorable(snapshots)
+                await participant.import_states(replacements)
+                sessions.install_restored(snapshots, replacements)
             return ResourcesRestoreResponse(sessions=len(snapshots), source_checkpoint_id=source_id)
 
         return await fence.run(req.checkpoint_id, "resources-checkpoint/restore", run, allowed=RESTORE_PHASES,

@@ -10,6 +10,7 @@ here from the result with hashlib and json; the committed files are rebuilt here
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import io
 import json
@@ -27,11 +28,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gymkit import agent_control
 from gymkit.agent_control import (
     AGENT_FEATURES,
     AgentExecutions,
     AgentParticipant,
     agent_router,
+    commit_agent_checkpoint,
     result_receipt_fields,
     whitebox_agent_declaration,
 )
@@ -57,6 +60,7 @@ class ToyAgent(AgentParticipant):
         self.name = name
         self.tokens: dict[str, asyncio.Semaphore] = {}
         self.events: list[tuple[Any, ...]] = []
+        self.collector_on: list[bool] = []  # gc.isenabled() at each on_restore
 
     def declaration(self) -> Capabilities:
         return whitebox_agent_declaration(self.name)
@@ -70,6 +74,7 @@ class ToyAgent(AgentParticipant):
 
     async def on_restore(self, records: list[AgentBoundaryRecord]) -> None:
         self.events.append(("restore", sorted((r.rollout_id, r.attempt_index) for r in records)))
+        self.collector_on.append(gc.isenabled())
 
     async def on_discard(self, rollout_id: str, attempt_index: int) -> None:
         self.events.append(("discard", rollout_id, attempt_index))
@@ -509,7 +514,15 @@ def test_commit_writes_gym_files_byte_exact_and_replays(tmp_path: Path) -> None:
     run_async(main)
 
 
-def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path) -> None:
+def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypatch) -> None:
+    commits_collector_on: list[bool] = []
+
+    def commit_recording(*args: Any, **kwargs: Any) -> Any:
+        commits_collector_on.append(gc.isenabled())
+        return commit_agent_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(agent_control, "commit_agent_checkpoint", commit_recording)
+
     async def main() -> None:
         ckdir = tmp_path / "gym"
         s = Server()
@@ -519,6 +532,8 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path) -> None:
             committed = r.json()
             for t in runs:
                 t.cancel()
+        # The commit (on a worker thread) ran with the cyclic collector held off, and got it back after.
+        assert commits_collector_on == [False] and gc.isenabled()
         # a fresh process restores
         s = Server()
         async with serving(s) as c:
@@ -529,6 +544,7 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path) -> None:
             assert r.json() == {"records": 2, "source_checkpoint_id": "save-1",
                                 "continuation_index": committed["continuation_index"]}
             assert s.agent.events == [("restore", [("rollout-a", 0), ("rollout-b", 0)])]
+            assert s.agent.collector_on == [False] and gc.isenabled()
             assert (s.fence.phase, s.fence.active_checkpoint_id) == ("restored_paused", "restore-1")
             assert (await c.post(f"{P}/restore", json=req, headers=AUTH)).json() == r.json()  # replay
             expect_error(await c.post(f"{P}/restore", json={**req, "checkpoint_id": "restore-2"}, headers=AUTH),

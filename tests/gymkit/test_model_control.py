@@ -10,6 +10,7 @@ ones serve it with uvicorn on 127.0.0.1 and speak real HTTP.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import socket
@@ -63,6 +64,7 @@ class Ledger(ModelParticipant):
         self.commits: list[ModelCommitContext] = []
         self.restores: list[ModelRestoreContext] = []
         self.resumes = 0
+        self.collector_on: list[bool] = []  # gc.isenabled() in each commit and restore
         self.commit_failure: BaseException | None = None
         self.restore_failure: BaseException | None = None
         self.saved_tombstones = [AttemptRef(rollout_id="gone", attempt_index=0)]
@@ -80,6 +82,7 @@ class Ledger(ModelParticipant):
 
     async def commit(self, ctx: ModelCommitContext) -> ModelCommitResponse:
         self.commits.append(ctx)
+        self.collector_on.append(gc.isenabled())
         await asyncio.sleep(0)
         if self.commit_failure is not None:
             raise self.commit_failure
@@ -97,6 +100,7 @@ class Ledger(ModelParticipant):
 
     async def restore(self, ctx: ModelRestoreContext) -> ModelRestoreResponse:
         self.restores.append(ctx)
+        self.collector_on.append(gc.isenabled())
         assert self.admission.state != "accepting"  # the kit closed admission first
         await asyncio.sleep(0)
         if self.restore_failure is not None:
@@ -339,6 +343,8 @@ async def test_commit_resume_replay_and_retirement(server: Server, client: httpx
         assert reply["manifest_digest"] == hashlib.sha256(manifest).hexdigest()
         (ctx,) = server.ledger.commits
         assert ctx.checkpoint_id == "ckpt-1" and ctx.checkpoint_dir == tmp
+        # The participant committed with the cyclic collector held off, and got it back after.
+        assert server.ledger.collector_on == [False] and gc.isenabled()
         assert ctx.continuation_indexes == (ArtifactRef(relative_path="agent/instance-x/continuations.jsonl",
                                                         sha256=EMPTY_SHA, records=0, bytes=0),)
         assert server.fence.phase == "committed_paused" and server.admission.state == "paused"
@@ -495,6 +501,7 @@ async def test_restore_closes_admission_and_fences_saved_attempts(server: Server
     assert reply["source_attempts"] == [{"rollout_id": "rollout-a", "attempt_index": 0}]
     assert server.ledger.restores[0].checkpoint_dir == "/ckpt/dir"
     assert server.fence.phase == "restored_paused" and server.admission.state == "paused"
+    assert server.ledger.collector_on == [False] and gc.isenabled()  # held off in the restore only
     assert (await call(client, RESTORE, body)).content == first.content and len(server.ledger.restores) == 1
     r = await model_call(client, "rollout-b")
     assert r.json()["error"]["code"] == "checkpoint_parked"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import json
 import time
@@ -25,9 +26,11 @@ from fastapi import FastAPI, Request, Response
 
 from gymkit.checkpoint_dir import write_agent_dir
 from gymkit.fence import ControlError, Fence
+from gymkit import resources_control
 from gymkit.resources_control import (
     ResourceSessions,
     ResourcesParticipant,
+    commit_resources_checkpoint,
     data_plane_response,
     input_digest,
     resources_router,
@@ -59,6 +62,7 @@ class ToyResources(ResourcesParticipant):
         self.notes: dict[Key, list[int]] = {}
         self.events: list[tuple[Any, ...]] = []
         self.refuse_import = False
+        self.collector_on: list[bool] = []  # gc.isenabled() at each import_states
         self.hold: asyncio.Event | None = None  # set: /note waits on it while holding the session lock
 
     def declaration(self) -> Capabilities:
@@ -69,6 +73,7 @@ class ToyResources(ResourcesParticipant):
 
     async def import_states(self, snapshots: list[ResourceSnapshot]) -> None:
         self.events.append(("import", sorted((s.rollout_id, s.attempt_index) for s in snapshots)))
+        self.collector_on.append(gc.isenabled())
         if self.refuse_import:
             raise ControlError("resources_checkpoint_error", "refused by the toy")
         self.notes = {(s.rollout_id, s.attempt_index): list(s.state["notes"]) for s in snapshots}
@@ -477,10 +482,20 @@ async def committed(ckdir: Path, cid: str = "save-1") -> Server:
     return s
 
 
-def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path) -> None:
+def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path, monkeypatch) -> None:
+    commits_collector_on: list[bool] = []
+
+    def commit_recording(*args: Any, **kwargs: Any) -> Any:
+        commits_collector_on.append(gc.isenabled())
+        return commit_resources_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(resources_control, "commit_resources_checkpoint", commit_recording)
+
     async def main() -> None:
         ckdir = tmp_path / "gym"
         await committed(ckdir)
+        # The commit (on a worker thread) and the import below ran with the cyclic collector held off.
+        assert commits_collector_on == [False] and gc.isenabled()
         s = Server()
         async with serving(s) as c:
             req = body("restore-1", checkpoint_dir=str(ckdir))
@@ -488,6 +503,7 @@ def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path) ->
             assert r.status_code == 200 and r.json() == {"sessions": 2, "source_checkpoint_id": "save-1"}
             assert (await c.post(f"{P}/restore", json=req, headers=AUTH)).json() == r.json()  # replay
             assert s.toy.events == [("import", [("a", 1), ("b", 1)])]
+            assert s.toy.collector_on == [False] and gc.isenabled()
             assert (s.fence.phase, s.fence.active_checkpoint_id) == ("restored_paused", "restore-1")
             assert s.sessions.bound() == [("a", 1), ("b", 1)]
             assert (s.sessions.revision("a", 1), s.sessions.revision("b", 1)) == (3, 2)

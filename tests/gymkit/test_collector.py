@@ -1,0 +1,74 @@
+"""gymkit.collector: Python's cyclic collector held off for a block, process-wide, nesting and
+overlapping across threads, and given back as it was found."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from gymkit.collector import collector_held, holds
+
+
+@pytest.fixture(autouse=True)
+def collector_enabled() -> Iterator[None]:
+    gc.enable()
+    yield
+    gc.enable()
+
+
+def test_the_collector_is_off_in_the_block_and_on_after() -> None:
+    with collector_held():
+        assert not gc.isenabled() and holds() == 1
+    assert gc.isenabled() and holds() == 0
+
+
+def test_a_block_that_raises_gives_the_collector_back() -> None:
+    with pytest.raises(RuntimeError, match="commit failed"), collector_held():
+        raise RuntimeError("commit failed")
+    assert gc.isenabled() and holds() == 0
+
+
+def test_nested_blocks_enable_it_when_the_outer_one_ends() -> None:
+    with collector_held():
+        with collector_held():
+            assert holds() == 2
+        assert not gc.isenabled() and holds() == 1  # the outer block still holds it
+    assert gc.isenabled()
+
+
+def test_a_process_that_turned_it_off_keeps_it_off() -> None:
+    gc.disable()
+    with collector_held():
+        assert not gc.isenabled()
+    assert not gc.isenabled() and holds() == 0
+
+
+def test_overlapping_holds_on_threads_end_with_the_last_one() -> None:
+    # Two servers of one process commit at once, on worker threads: the first to finish must not
+    # turn the collector on under the second.
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with collector_held():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with collector_held():
+            second_in.set()
+            first_out.wait(5)
+            seen["after the first ended"] = gc.isenabled()
+        seen["after both"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after the first ended": False, "after both": True} and holds() == 0
