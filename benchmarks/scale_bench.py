@@ -1024,6 +1024,50 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
             "kit_listens": listens.count, "park_s": round(park, 3), "parked": status.parked}
 
 
+async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) -> dict[str, Any]:
+    """The reference model server alone, in-process: ``rollouts`` rollouts of ``calls`` model calls
+    each (answered by :meth:`RefModel.call`, no HTTP), then ``2 * repeats`` commits of every rollout
+    into RAM (``/dev/shm`` when it is there), every other one inside :func:`gymkit.collector.collector_held`
+    as the kit's commit route runs it. Returns each kind's times and medians (the collector lever's
+    in-process measurement)."""
+    from gymkit.collector import collector_held
+    from gymkit.model_control import ModelAdmission, ModelCommitContext
+    from refgym.api import ModelCall
+    from refgym.model_server import RefModel
+    from schemas.gym_records import AgentContinuationRoot
+    from snapformat.gym_dir import write_jsonl
+
+    model = RefModel("policy", 0, ModelAdmission())
+    for i in range(rollouts):
+        parent = None
+        for turn in range(calls):
+            await model.call(ModelCall(rollout_id=f"r{i:07d}", attempt_index=0, capture_key=f"r{i:07d}",
+                                       model_call_id=f"call-{turn}", parent_call_id=parent, turn_index=turn,
+                                       prompt_token_ids=list(range(1, 40))))
+            parent = f"call-{turn}"
+    ram = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    times: dict[str, list[float]] = {"collector_on": [], "collector_held": []}
+    for rep in range(2 * repeats):
+        held = rep % 2 == 1
+        with tempfile.TemporaryDirectory(dir=ram) as tmp:
+            refs = tuple(write_jsonl(tmp, f"agent/agent-{a}/continuations.jsonl", sorted(
+                (AgentContinuationRoot(rollout_id=f"r{i:07d}", attempt_index=0, capture_key=f"r{i:07d}",
+                                       last_committed_model_call_id=f"call-{calls - 1}",
+                                       resource_state_revisions={"notes": 1}) for i in range(a, rollouts, 10)),
+                key=lambda r: r.capture_key)) for a in range(10))
+            ctx = ModelCommitContext(checkpoint_id=f"lever-{rep}", deadline_ts=time.time() + DEADLINE_S,
+                                     checkpoint_dir=tmp, continuation_indexes=refs)
+            t = time.perf_counter()
+            if held:
+                with collector_held():
+                    await model.commit(ctx)
+            else:
+                await model.commit(ctx)
+            times["collector_held" if held else "collector_on"].append(round(time.perf_counter() - t, 4))
+    return {"rollouts": rollouts, "calls": len(model.calls), "times_s": times,
+            "median_s": {k: round(statistics.median(v), 4) for k, v in times.items()}}
+
+
 #: The rows of the restore-order lever's table (keys of PHASES), in order.
 RESTORE_ROWS = ("restore", "restore_model", "restore_agent", "restore_resource", "resume_after_restore",
                 "restore_total")
@@ -1079,9 +1123,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", type=Path, help="print the report of a saved result JSON (run.py's or a partial one)")
     p.add_argument("--agent-wave", type=int, metavar="ROLLOUTS", help="lever 1's measurement: one agent in-process "
                    "(see agent_wave), print its JSON and exit")
+    p.add_argument("--model-commit", type=int, metavar="ROLLOUTS", help="the collector lever's measurement: "
+                   "the model server in-process, its commit with the cyclic collector on and held off "
+                   "(see model_commit_lever), print its JSON and exit")
     opts = p.parse_args(argv)
     if opts.agent_wave:
         print(msgspec.json.encode(asyncio.run(agent_wave(opts.agent_wave))).decode())
+        return 0
+    if opts.model_commit:
+        print(msgspec.json.encode(asyncio.run(model_commit_lever(opts.model_commit))).decode())
         return 0
     if opts.render:
         data = msgspec.json.decode(opts.render.read_bytes())

@@ -2,9 +2,10 @@
 
 A commit or a restore allocates objects per rollout (records, rows, digests, file names) in a process
 whose heap already holds every rollout's state. Once enough of them survive a young collection,
-Python runs a full one, and a full collection walks the whole heap: at 10,000 rollouts it was 0.09 s
-of a 0.50 s model commit, at 100,000 0.65 s of 5.5 s (in-process, the reference model server;
-``benchmarks/results/scale_collector.md``). Every participant's commit is inside the pause.
+Python runs a full one, and a full collection walks the whole heap. The reference model server's
+commit, in-process, held off against not (medians of 5, ``python -m benchmarks.scale_bench
+--model-commit N``): 0.41 against 0.51 s at 10,000 rollouts, 4.55 against 5.31 s at 100,000
+(``benchmarks/results/scale_collector.md``). Every participant's commit is inside the pause.
 
 Held off, that walk waits until the step is over. Reference counting still frees every object
 that is not part of a cycle as soon as it is dropped, so what waits is only the step's cyclic

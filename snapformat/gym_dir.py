@@ -561,7 +561,7 @@ MANIFEST_INDENT: dict[str, int] = {"agent": 2, "ledger": 1, "resources": 2}
 
 def jsonl_bytes(rows: Iterable[Any]) -> bytes:
     """Gym's JSON lines: each row as compact JSON (fields in declaration order, no spaces), then ``\\n``."""
-    return b"".join(_encoder.encode(row) + b"\n" for row in rows)
+    return _encoder.encode_lines(rows)
 
 
 def document_bytes(value: Any, *, sort_keys: bool, indent: int) -> bytes:
@@ -625,17 +625,17 @@ class JsonlChunks:
         if self._done:
             raise RuntimeError("JsonlChunks: iterated twice")
         self._done = True
-        batch: list[bytes] = []
+        batch: list[Any] = []
         for row in self._rows:
-            batch.append(_encoder.encode(row))
+            batch.append(row)
             if len(batch) >= JSONL_CHUNK_ROWS:
                 yield self._emit(batch)
                 batch = []
         if batch:
             yield self._emit(batch)
 
-    def _emit(self, batch: list[bytes]) -> bytes:
-        data = b"\n".join(batch) + b"\n"
+    def _emit(self, batch: list[Any]) -> bytes:
+        data = _encoder.encode_lines(batch)  # each row's compact JSON and b"\n", in one call
         self._sha.update(data)
         self.bytes += len(data)
         self.records += len(batch)  # a row's compact JSON is never blank: one row, one non-blank line
