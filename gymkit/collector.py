@@ -10,8 +10,11 @@ commit, in-process, held off against not (medians of 5, ``python -m benchmarks.s
 Held off, that walk waits until the step is over. Reference counting still frees every object
 that is not part of a cycle as soon as it is dropped, so what waits is only the step's cyclic
 garbage. The collector's counts go on growing meanwhile; the next allocation after the step runs a
-young collection of what the step left alive (its reply, its new state), and a full one comes when
-Python's own rule asks for it again, while the rollouts run.
+young collection of what the step left alive, and the older collections follow by Python's own
+rule. A commit leaves little alive (its reply). A restore leaves the whole restored state, which
+those collections then walk, a few times, where without the hold the full collections walked it
+again and again while it grew: at 100,000 rollouts they land in the resume that follows (1.04 s
+against 0.22 s, one run each).
 
 The collector is the process's, so the hold is too: holds nest and overlap (several servers in one
 process, a commit on a worker thread), and the collector is enabled again when the last one ends,

@@ -34,7 +34,6 @@ from gymkit.agent_control import (
     AgentExecutions,
     AgentParticipant,
     agent_router,
-    commit_agent_checkpoint,
     result_receipt_fields,
     whitebox_agent_declaration,
 )
@@ -43,6 +42,7 @@ from gymkit.fence import ControlError, Fence
 from schemas.control import CONTROL_PREFIX, UNAUTHORIZED_DETAIL, Capabilities, CompletionReceipt
 from schemas.gym_files import AgentBoundaryRecord
 from tests.gymkit.asgi_serving import run_async, serving_app
+from tests.gymkit.collector_probe import collector_state_at_calls
 
 TOKEN = "secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -515,13 +515,7 @@ def test_commit_writes_gym_files_byte_exact_and_replays(tmp_path: Path) -> None:
 
 
 def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypatch) -> None:
-    commits_collector_on: list[bool] = []
-
-    def commit_recording(*args: Any, **kwargs: Any) -> Any:
-        commits_collector_on.append(gc.isenabled())
-        return commit_agent_checkpoint(*args, **kwargs)
-
-    monkeypatch.setattr(agent_control, "commit_agent_checkpoint", commit_recording)
+    commits_collector_on = collector_state_at_calls(monkeypatch, agent_control, "commit_agent_checkpoint")
 
     async def main() -> None:
         ckdir = tmp_path / "gym"

@@ -30,7 +30,6 @@ from gymkit import resources_control
 from gymkit.resources_control import (
     ResourceSessions,
     ResourcesParticipant,
-    commit_resources_checkpoint,
     data_plane_response,
     input_digest,
     resources_router,
@@ -49,6 +48,7 @@ from schemas.control import (
 )
 from schemas.gym_files import AgentBoundaryRecord, ResourceSnapshot
 from tests.gymkit.asgi_serving import run_async, serving_app
+from tests.gymkit.collector_probe import collector_state_at_calls
 
 TOKEN = "tok-en"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -483,13 +483,7 @@ async def committed(ckdir: Path, cid: str = "save-1") -> Server:
 
 
 def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path, monkeypatch) -> None:
-    commits_collector_on: list[bool] = []
-
-    def commit_recording(*args: Any, **kwargs: Any) -> Any:
-        commits_collector_on.append(gc.isenabled())
-        return commit_resources_checkpoint(*args, **kwargs)
-
-    monkeypatch.setattr(resources_control, "commit_resources_checkpoint", commit_recording)
+    commits_collector_on = collector_state_at_calls(monkeypatch, resources_control, "commit_resources_checkpoint")
 
     async def main() -> None:
         ckdir = tmp_path / "gym"
