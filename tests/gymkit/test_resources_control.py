@@ -24,9 +24,9 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request, Response
 
+from gymkit import resources_control
 from gymkit.checkpoint_dir import write_agent_dir
 from gymkit.fence import ControlError, Fence
-from gymkit import resources_control
 from gymkit.resources_control import (
     ResourceSessions,
     ResourcesParticipant,
