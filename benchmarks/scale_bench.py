@@ -1035,7 +1035,7 @@ async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) ->
     from refgym.api import ModelCall
     from refgym.model_server import RefModel
     from schemas.gym_records import AgentContinuationRoot
-    from snapformat.gym_dir import write_jsonl
+    from snapformat.gym_dir import root_order, write_jsonl
 
     model = RefModel("policy", 0, ModelAdmission())
     for i in range(rollouts):
@@ -1054,7 +1054,7 @@ async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) ->
                 (AgentContinuationRoot(rollout_id=f"r{i:07d}", attempt_index=0, capture_key=f"r{i:07d}",
                                        last_committed_model_call_id=f"call-{calls - 1}",
                                        resource_state_revisions={"notes": 1}) for i in range(a, rollouts, 10)),
-                key=lambda r: r.capture_key)) for a in range(10))
+                key=root_order)) for a in range(10))
             ctx = ModelCommitContext(checkpoint_id=f"lever-{rep}", deadline_ts=time.time() + DEADLINE_S,
                                      checkpoint_dir=tmp, continuation_indexes=refs)
             t = time.perf_counter()

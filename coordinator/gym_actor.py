@@ -132,7 +132,8 @@ class NemoGym:
         self._active_checkpoint_id: str | None = None  # dispatch is frozen while one is active
 
     def _pool(self) -> httpx.AsyncClient:
-        # a connection per server kept alive, every server's (httpx keeps 20 by default)
+        # room for a connection per server (httpx keeps 20 by default); the fenced calls' pool closes
+        # each after its answer (Connection: close), so only the idempotent pool keeps any alive
         return httpx.AsyncClient(timeout=self._control_timeout_s, limits=httpx.Limits(
             max_connections=self._connections, max_keepalive_connections=self._connections,
             keepalive_expiry=KEEPALIVE_EXPIRY_S))
