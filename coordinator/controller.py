@@ -54,9 +54,9 @@ class GymHandle:
 
         method = getattr(self._actor, name)
 
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
             try:
-                return ray.get(method.remote(*args))
+                return ray.get(method.remote(*args, **kw))
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                 raise cause from None

@@ -10,23 +10,28 @@ class CoordinatorError(SnapshotError):
 
 
 class GymCallError(CoordinatorError):
-    """A Gym server refused a call, answered an error, was unreachable, or missed the deadline."""
+    """A Gym server refused a call, answered an error, was unreachable, or missed the deadline.
+
+    ``held``: a prepare that stopped at completed results not yet acknowledged and left every
+    participant it called paused under its id (``prepare_checkpoint(..., hold_when_unacknowledged=True)``);
+    the caller prepares that id again or aborts it."""
 
     def __init__(self, message: str, *, component: str = "", name: str = "", status: int | None = None,
-                 error: str | None = None) -> None:
+                 error: str | None = None, held: bool = False) -> None:
         super().__init__(message)
         self.component = component
         self.name = name
         self.status = status
         self.error = error
+        self.held = held
 
     def __reduce__(self):  # crosses Ray's process boundary with its fields
-        return (_rebuild_gym_call_error, (str(self), self.component, self.name, self.status, self.error))
+        return (_rebuild_gym_call_error, (str(self), self.component, self.name, self.status, self.error, self.held))
 
 
 def _rebuild_gym_call_error(message: str, component: str, name: str, status: int | None,
-                            error: str | None) -> GymCallError:
-    return GymCallError(message, component=component, name=name, status=status, error=error)
+                            error: str | None, held: bool = False) -> GymCallError:
+    return GymCallError(message, component=component, name=name, status=status, error=error, held=held)
 
 
 class TooManyFailuresError(CoordinatorError):

@@ -9,7 +9,11 @@ The Single Controller never talks to Gym itself; it calls this actor (a Ray acto
 - ``acknowledge_completed_executions(executions=[{receipt, agent_name}])``: one batch per agent;
 - ``prepare_checkpoint(checkpoint_id, deadline_ts)``: freezes this actor's dispatch, then models
   pause -> agents prepare (again on ``agent_prepare_incomplete``) -> resources prepare -> models
-  polled until paused; on failure everyone called is resumed and dispatch reopens;
+  polled until paused; on failure everyone called is resumed and dispatch reopens. One argument is
+  this repository's own, keyword only and off by default: with ``hold_when_unacknowledged=True`` an
+  agent blocked only by completed results not yet acknowledged fails the call with a
+  ``GymCallError`` whose ``held`` is True, and nothing is resumed: dispatch stays frozen and every
+  participant called stays paused under the id until the caller prepares it again or aborts it;
 - ``commit_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir)``: agents -> policy model (given
   the agents' continuation indexes) -> resources, each writing its files into ``checkpoint_dir``
   (with ``commit_order="resources_alongside"``, resources at the same time as agents -> model);
@@ -62,6 +66,7 @@ from gymkit.gym_fleet import (
     Server,
     StepResult,
     Topology,
+    UnacknowledgedResults,
     checked_commit_order,
     checked_restore_order,
 )
@@ -207,12 +212,22 @@ class NemoGym:
             self._active_checkpoint_id = None
 
     @_as_gym_call_errors
-    async def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
-        """Freeze dispatch and prepare every participant, or resume those called, reopen and raise."""
+    async def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float, *,
+                                 hold_when_unacknowledged: bool = False) -> PrepareResult:
+        """Freeze dispatch and prepare every participant, or resume those called, reopen and raise.
+        With ``hold_when_unacknowledged``, a prepare blocked only by completed results not yet
+        acknowledged raises a ``GymCallError`` with ``held`` True and leaves dispatch frozen and
+        every participant called paused under ``checkpoint_id`` (the module docstring)."""
         fleet = self.fleet
         self._freeze(checkpoint_id)
         try:
-            return await fleet.prepare(checkpoint_id, deadline_ts)
+            return await fleet.prepare(checkpoint_id, deadline_ts, hold_when_unacknowledged=hold_when_unacknowledged)
+        except UnacknowledgedResults as exc:
+            if not hold_when_unacknowledged:
+                self._unfreeze(checkpoint_id)
+                raise
+            raise GymCallError(str(exc), component=exc.component, name=exc.name, status=exc.status,
+                               error=exc.code, held=True) from None
         except BaseException:
             self._unfreeze(checkpoint_id)
             raise

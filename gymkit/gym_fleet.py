@@ -25,7 +25,13 @@ server of the one before has answered (a failure fails the step once its sibling
   ``agent_prepare_incomplete`` until the deadline) -> resources ``prepare`` -> ``GET status?
   wait_state=paused&timeout_s=<time left>`` for the models not yet paused. On failure every
   participant it called (or began to call) is resumed (one whose own call failed may answer
-  ``invalid_phase``: not a further failure), and the error raised.
+  ``invalid_phase``: not a further failure), and the error raised. An agent that refuses with
+  nothing left running and only completed results not yet acknowledged is not re-sent: only the
+  caller can clear that (:class:`UnacknowledgedResults`). With ``hold_when_unacknowledged`` (not
+  NeMo-RL's; this repository's save) the fleet then resumes no one: every participant called stays
+  paused under the id, agent admission closed, so nothing else can complete. The caller stores and
+  acknowledges the results, then prepares again under the same id (each participant that already
+  answered replays its answer), or aborts the id.
 * commit: agents -> the policy model, given every agent's continuation index -> resources
   (``commit_order="nemo_rl"``, the default). ``commit_order="resources_alongside"`` commits the
   resources servers at the same time as agents -> model: nothing orders them (every participant is
@@ -264,12 +270,34 @@ def _one_of(knob: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+class UnacknowledgedResults(ControlCallError):
+    """An agent refused prepare (409 ``agent_prepare_incomplete``) with nothing left running and only
+    completed results not yet acknowledged: ``attempts`` lists them, each with its completion receipt.
+    Only the caller clears this, by storing and acknowledging them."""
+
+    def __init__(self, exc: ControlCallError, attempts: Sequence[Any]) -> None:
+        super().__init__(str(exc), component=exc.component, name=exc.name, status=exc.status, code=exc.code,
+                         detail=exc.detail, step=exc.step)
+        self.attempts = list(attempts)
+
+    def __reduce__(self):  # keeps its type and fields across pickling (Ray)
+        return (_rebuild_unacknowledged, (ControlCallError(str(self), component=self.component, name=self.name,
+                                                           status=self.status, code=self.code, detail=self.detail,
+                                                           step=self.step), self.attempts))
+
+
+def _rebuild_unacknowledged(exc: ControlCallError, attempts: list[Any]) -> UnacknowledgedResults:
+    return UnacknowledgedResults(exc, attempts)
+
+
 async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """Await all; then raise the first failure, if any (no sibling is left running behind it)."""
+    """Await all; then raise the first failure, if any (no sibling is left running behind it). An
+    :class:`UnacknowledgedResults` is raised only when every failure is one: any other failure
+    needs the participants resumed."""
     results = await asyncio.gather(*coros, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        raise next((f for f in failures if not isinstance(f, UnacknowledgedResults)), failures[0])
     return results  # type: ignore[return-value]
 
 
@@ -407,9 +435,12 @@ class GymFleet:
         return s
 
     # -- the checkpoint steps -----------------------------------------------------------------------------
-    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
+    async def prepare(self, checkpoint_id: str, deadline_ts: float, *,
+                      hold_when_unacknowledged: bool = False) -> PrepareResult:
         """Pause the policy model, park every agent at a boundary, freeze resources, then wait for the
-        models still draining; on failure resume everyone called and raise."""
+        models still draining; on failure resume everyone called and raise. With
+        ``hold_when_unacknowledged``, an :class:`UnacknowledgedResults` is raised with everyone called
+        left paused under ``checkpoint_id`` (module docstring)."""
         models = self.pausing(MODELS)
         for s in models:
             if "paused" not in s.caps.admission_states:
@@ -432,6 +463,8 @@ class GymFleet:
             await self._step(draining, replies, lambda s: self._wait_paused(s, checkpoint_id, deadline_ts),
                              add_seconds=True)
         except BaseException as exc:
+            if hold_when_unacknowledged and isinstance(exc, UnacknowledgedResults):
+                raise  # everyone called stays paused under checkpoint_id: the caller acknowledges, or aborts
             resume_deadline = max(deadline_ts, time.time() + self.control_timeout_s)
             resumed, failures = await self._resume(attempted, checkpoint_id, resume_deadline, tolerate=ALREADY_ENDED)
             done = {r.server_name for r in resumed}
@@ -462,9 +495,12 @@ class GymFleet:
                 # without a boundary): waiting would only spend the deadline, so fail now and say why.
                 blocked = await s.client.agent.status(checkpoint_id)
                 if blocked.running == 0 and (blocked.completed_unacknowledged or blocked.parked_without_boundary):
-                    raise _with_note(exc, f" ({blocked.completed_unacknowledged} completed result(s) not yet "
-                                          f"acknowledged, {blocked.parked_without_boundary} parked without a "
-                                          "boundary; nothing left running)") from None
+                    noted = _with_note(exc, f" ({blocked.completed_unacknowledged} completed result(s) not yet "
+                                            f"acknowledged, {blocked.parked_without_boundary} parked without a "
+                                            "boundary; nothing left running)")
+                    if blocked.parked_without_boundary:
+                        raise noted from None
+                    raise UnacknowledgedResults(noted, blocked.completed_unacknowledged_attempts) from None
                 await asyncio.sleep(min(AGENT_PREPARE_RETRY_S, left))
                 continue
             if not status.ready_to_commit:

@@ -3,8 +3,12 @@
 1. Stop sending rollouts (the caller holds the controller's loop, so nothing is sent) and flush the
    acknowledgements of stored results; prepare Gym within ``rollout_checkpointing.gym.prepare_timeout_s``.
    A result that completed after the flush makes the agent's prepare refuse
-   (``agent_prepare_incomplete``: Gym commits no unacknowledged result): the save flushes again and
-   prepares once more under a fresh checkpoint id, at most :data:`PREPARE_ATTEMPTS` times.
+   (``agent_prepare_incomplete``: Gym commits no unacknowledged result). The save asks the actor to
+   hold Gym paused then (``hold_when_unacknowledged``): agent admission stays closed, so nothing else
+   can complete; the save stores and acknowledges those results and prepares the same id again, at
+   most :data:`HELD_PREPARES` times. Any other early refusal resumes Gym: the save waits
+   :data:`SETTLE_S`, flushes again and prepares under a fresh checkpoint id, at most
+   :data:`PREPARE_ATTEMPTS` times.
 2. Gym writes its files into ``checkpoint_dir`` (the draft's ``gym/`` folder, or a staging folder
    for a store that is not local disk). The publisher adopts each participant's folder as a part
    (``coordinator.checkpoint.gym_parts``: Gym's digests checked, uploaded to an object store) with
@@ -56,10 +60,15 @@ from snapformat.draft import SnapshotDraft
 log = logging.getLogger("coordinator.checkpoint.save")
 
 T = TypeVar("T")
-#: Prepare attempts of one save: a result that completes between the flush of acknowledgements and
-#: the agents' prepare needs one more flush (rare); more than that means something else blocks.
+#: Prepares of one id that Gym refused while held for results not yet acknowledged. Gym is paused,
+#: so the results it lists are the only ones: the first flush stores them unless their answers have
+#: not reached the actor yet, which the next ones wait for (HELD_WAIT_S more each time).
+HELD_PREPARES = 10
+HELD_WAIT_S = 0.02
+#: Prepare attempts of one save, each under a fresh id, after refusals that resumed Gym (executions
+#: parked without a boundary, or a Gym control that does not hold): more means something else blocks.
 PREPARE_ATTEMPTS = 3
-SETTLE_S = 0.1  # after a failed prepare, before flushing again (see save)
+SETTLE_S = 0.1  # after a failed prepare that resumed Gym, before flushing again (see save)
 
 
 @dataclass
@@ -135,13 +144,11 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str,
         cutting = CutInBackground(seams.plane, source)
         prepared = True
 
-        def flush_again() -> None:  # the cut must follow the last flush: take it again after one
+        def flush_again(settle_s: float) -> None:  # the cut must follow the last flush: take it again after one
             nonlocal cutting
             assert cutting is not None
             cutting.wait()
-            # The failed prepare's rollback resumed the agents: rollouts it had parked at their end
-            # complete a moment later. Let them, so this flush acknowledges them too.
-            time.sleep(SETTLE_S)
+            time.sleep(settle_s)
             seams.store_and_acknowledge()
             cutting = CutInBackground(seams.plane, source)
 
@@ -186,27 +193,46 @@ def save(seams: Seams, source: RecordsSource, fingerprint: str,
     return SaveOutcome(status="writing", report=progress.report(), gym_resumed=resumed), pending
 
 
-def _prepare(seams: Seams, progress: Progress, flush_again: Callable[[], None]) -> str:
-    """Prepare Gym; returns the checkpoint id that prepared (also kept in ``progress``). When an agent
-    refuses ``agent_prepare_incomplete`` before the deadline, what blocks is only the caller's to
-    clear (results completed after the flush; the actor has resumed everyone it had paused): the
+def _prepare(seams: Seams, progress: Progress, flush_again: Callable[[float], None]) -> str:
+    """Prepare Gym; returns the checkpoint id that prepared (also kept in ``progress``).
+
+    An ``agent_prepare_incomplete`` before the deadline blocks on what only the caller can clear:
+    results completed after the flush (or executions parked without a boundary). When the actor held
+    Gym paused for it (``GymCallError.held``), the results are stored and acknowledged and the same id
+    prepares again, at most :data:`HELD_PREPARES` times. Otherwise the actor has resumed everyone:
+    after :data:`SETTLE_S` (rollouts resumed at their end complete, so this flush takes them too) the
     results are stored and acknowledged again and a fresh id prepares, at most
-    :data:`PREPARE_ATTEMPTS` times. A refusal at the deadline (executions still running) is not
-    retried: the pause is bounded by one ``prepare_timeout_s``."""
+    :data:`PREPARE_ATTEMPTS` ids. A refusal at the deadline (executions still running) is not retried:
+    each id's prepare is bounded by one ``prepare_timeout_s``. A failure leaves the id in ``progress``
+    paused or resumed; the caller's abort resumes it either way."""
     timeout = seams.config.rollout_checkpointing.gym.prepare_timeout_s
-    for attempt in range(1, PREPARE_ATTEMPTS + 1):
-        deadline = time.time() + timeout
+    ids, held = 1, 0
+    deadline = time.time() + timeout
+    while True:
         try:
-            seams.gym.prepare_checkpoint(progress.checkpoint_id, deadline)
+            seams.gym.prepare_checkpoint(progress.checkpoint_id, deadline, hold_when_unacknowledged=True)
             return progress.checkpoint_id
         except GymCallError as exc:
-            early = time.time() < deadline
-            if exc.error != "agent_prepare_incomplete" or not early or attempt == PREPARE_ATTEMPTS:
+            if exc.error != "agent_prepare_incomplete" or time.time() >= deadline:
+                raise
+            if exc.held:
+                held += 1
+                if held > HELD_PREPARES:
+                    raise
+                # Gym stays paused under this id with agent admission closed: nothing else completes.
+                log.info("prepare of %s: %s; Gym held: storing and acknowledging, then preparing it again",
+                         progress.checkpoint_id, exc)
+                flush_again(HELD_WAIT_S * (held - 1))
+                continue
+            if ids == PREPARE_ATTEMPTS:
                 raise
             log.info("prepare of %s: %s; flushing acknowledgements and preparing again", progress.checkpoint_id, exc)
-            flush_again()
+            # The failed prepare's rollback resumed the agents: rollouts it had parked at their end
+            # complete a moment later. Let them, so this flush acknowledges them too.
+            flush_again(SETTLE_S)
+            ids += 1
             progress.checkpoint_id = new_checkpoint_id()
-    raise AssertionError("unreachable")
+            deadline = time.time() + timeout
 
 
 def _abort(seams: Seams, cid: str, prepared: bool, cutting: CutInBackground | None,

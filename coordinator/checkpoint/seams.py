@@ -27,7 +27,8 @@ class GymControl(Protocol):
     through the controller's handle. Each raises :class:`~coordinator.errors.GymCallError` when a
     server fails."""
 
-    def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult: ...
+    def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float, *,
+                           hold_when_unacknowledged: bool = False) -> PrepareResult: ...
 
     def commit_checkpoint(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str) -> CommitResult: ...
 

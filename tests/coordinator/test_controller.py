@@ -129,7 +129,9 @@ def test_a_prepare_that_hangs_past_the_deadline_is_aborted(fleet, tmp_path: Path
                                                gym={"prepare_timeout_s": prepare_timeout_s})
     job = InRayJob(fleet, store.url, config=config, test_faults=True)
     job.setup()
-    running = job.ctl.run.remote(RUN_S)
+    # The saves tried while the hung server blocks them fail, some only at their 2 s deadline, and
+    # the run moves only between saves (0.3 s apart): on a loaded machine it needs more than RUN_S.
+    running = job.ctl.run.remote(3 * RUN_S)
     wait_until(lambda: any(s.published for s in job.call("saves_since", 0)), "a first published save")
     _faults(job, prepare_hang_s=hang_s, prepare_hangs=1)  # the next save's export of a session hangs
     outcome = ray.get(running)

@@ -163,6 +163,49 @@ def test_acknowledgements_send_the_receipts_back_and_a_repeat_is_idempotent(flee
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_prepare_blocked_by_an_unacknowledged_result_holds_gym_paused_only_when_asked(fleet, hold: bool) -> None:
+    """A result completed and not yet acknowledged: the agent refuses prepare at once. Asked to hold,
+    the actor resumes no one: the model stays paused, the agent admits no new rollout, dispatch stays
+    frozen; once the result is acknowledged the same id prepares, commits nothing new and resumes.
+    Not asked (NeMo-RL's way), everyone called is resumed and dispatch reopens."""
+    gym = fleet.gym()
+    nemo = _nemo(gym, fleet.token)
+    spec = {"attempt_index": 0, "seed": 1, "turns": 1, "tools": ["notes"]}
+
+    async def scenario():
+        await nemo.discover_checkpoint_capabilities()
+        await nemo.start_rollouts([{"rollout_id": "done", **spec}])
+        await asyncio.to_thread(wait_until, lambda: len(gym.results()) == 1, "a result")
+        with pytest.raises(GymCallError) as err:
+            await nemo.prepare_checkpoint("c1", _deadline(), hold_when_unacknowledged=hold)
+        assert (err.value.status, err.value.error, err.value.held) == (409, "agent_prepare_incomplete", hold)
+        assert "1 completed result(s) not yet acknowledged" in str(err.value)
+        if not hold:
+            assert set(_phases(gym).values()) == {"idle"} and nemo.active_checkpoint_id is None
+            await nemo.close()
+            return
+        assert _phases(gym)["policy0"] == "prepared" and _phases(gym)["tools"] == "idle"  # paused; never reached
+        assert nemo.active_checkpoint_id == "c1"
+        with pytest.raises(GymCallError, match="frozen"):
+            await nemo.start_rollouts([{"rollout_id": "new", **spec}])
+        direct = await asyncio.to_thread(httpx.post, f"{gym.agent.url}/rollouts", json={"rollout_id": "new", **spec},
+                                         timeout=10)
+        assert direct.status_code == 409 and direct.json()["error"]["code"] == "agent_admission_closed"
+        (result,) = await nemo.results()
+        await nemo.acknowledge_completed_executions([{"receipt": result["completion_receipt"],
+                                                      "agent_name": result["agent_name"]}])
+        prepared = await nemo.prepare_checkpoint("c1", _deadline(), hold_when_unacknowledged=True)
+        assert [(p.component, p.name) for p in prepared.participants] == [
+            (MODELS, "policy0"), (AGENTS, "agent0"), (RESOURCES, "tools")]
+        assert _phases(gym) == {"policy0": "prepared", "agent0": "prepared", "tools": "prepared", "sandbox": "idle"}
+        await nemo.resume_checkpoint("c1", _deadline())
+        assert set(_phases(gym).values()) == {"idle"} and nemo.active_checkpoint_id is None
+        await nemo.close()
+
+    asyncio.run(scenario())
+
+
 def test_refusals_are_typed_and_name_the_server(fleet) -> None:
     gym = fleet.gym()
 

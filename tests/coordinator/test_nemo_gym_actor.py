@@ -58,11 +58,16 @@ def test_the_checkpoint_methods_have_nemo_rls_names_and_arguments() -> None:
         "resume_checkpoint": ["checkpoint_id", "deadline_ts"],
         "abort_checkpoint": ["checkpoint_id", "deadline_ts"],
     }
+    ours = {"prepare_checkpoint": {"hold_when_unacknowledged": False}}  # keyword-only extensions, off by default
     for method, args in expected.items():
         # Once Ray has made an actor of the class (another test may have), it appends its own tracing
         # keyword ``_ray_trace_ctx`` to every method: not one of NeMo-RL's arguments.
-        params = [p for p in inspect.signature(getattr(NemoGym, method)).parameters if p != "_ray_trace_ctx"]
-        assert params[1:] == args, method
+        params = {n: p for n, p in inspect.signature(getattr(NemoGym, method)).parameters.items()
+                  if n != "_ray_trace_ctx"}
+        positional = [n for n, p in params.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        assert positional[1:] == args, method
+        extra = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        assert extra == ours.get(method, {}), method  # a NeMo-RL caller's call means the same
     assert inspect.signature(NemoGym.discover_checkpoint_capabilities).parameters["server_names"].default is None
     assert inspect.signature(NemoGym.restore_checkpoint).parameters["source_checkpoint_id"].default is None
 

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import pickle
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,7 +18,7 @@ import msgspec
 import pytest
 
 from gymkit.control_client import ControlCallError
-from gymkit.gym_fleet import CompletedExecution, GymFleet, participant_dir
+from gymkit.gym_fleet import CompletedExecution, GymFleet, UnacknowledgedResults, participant_dir
 from schemas.control import (
     FEATURE_COMPLETED_RESULT_ACK,
     FEATURE_CONTINUATION_INDEX,
@@ -501,24 +502,93 @@ def test_the_fingerprint_of_a_fixed_topology_is_the_recipes() -> None:
     assert changed != fingerprint and changed == _recipe(gyms)
 
 
+UNACKNOWLEDGED = [{"rollout_id": "r1", "attempt_index": 0, "state": "completed", "generation": 1}]
+
+
+def _blocked_by_unacknowledged(gym: FakeGym, parked_without_boundary: int = 0) -> None:
+    gym.queue("agent-checkpoint/prepare", *[refusal("agent_prepare_incomplete")] * 100)
+    gym.queue("agent-checkpoint/status", lambda q: (200, {
+        **gym.default("agent-checkpoint/status", q), "ready_to_commit": False, "running": 0,
+        "completed_unacknowledged": 2, "parked_without_boundary": parked_without_boundary,
+        "completed_unacknowledged_attempts": UNACKNOWLEDGED}))
+
+
+def _resumed(log: list[Seen]) -> list[str]:
+    return sorted(s.server for s in log if s.route.endswith("/resume"))
+
+
 def test_an_agent_blocked_only_by_unacknowledged_results_fails_the_prepare_at_once() -> None:
-    """Nothing left running: only the caller can clear the blockers, so the fleet stops re-sending."""
+    """Nothing left running: only the caller can clear the blockers, so the fleet stops re-sending,
+    raises them typed (with the attempts the agent listed) and, as NeMo-RL does, resumes everyone
+    it called."""
     gyms = servers()
-    gyms["agent0"].queue("agent-checkpoint/prepare", *[refusal("agent_prepare_incomplete")] * 100)
-    gyms["agent0"].queue("agent-checkpoint/status", lambda q: (200, {
-        **gyms["agent0"].default("agent-checkpoint/status", q), "ready_to_commit": False, "running": 0,
-        "completed_unacknowledged": 2}))
+    _blocked_by_unacknowledged(gyms["agent0"])
 
     async def scenario(fleet: GymFleet) -> None:
         t0 = time.monotonic()
-        with pytest.raises(ControlCallError) as err:
+        with pytest.raises(UnacknowledgedResults) as err:
             await fleet.prepare("c1", time.time() + 30)
-        assert err.value.code == "agent_prepare_incomplete"
+        assert err.value.code == "agent_prepare_incomplete" and err.value.status == 409
         assert "2 completed result(s) not yet acknowledged" in str(err.value)
+        assert [(a.rollout_id, a.attempt_index) for a in err.value.attempts] == [("r1", 0)]
         assert time.monotonic() - t0 < 5  # not the 30 s deadline
         assert len(gyms["agent0"].calls("agent-checkpoint/prepare")) == 1
+        assert _resumed(gyms["policy"].log) == ["agent0", "agent1", "policy"]
 
     run(gyms, scenario)
+
+
+def test_a_prepare_asked_to_hold_leaves_everyone_called_paused_and_prepares_the_same_id_again() -> None:
+    """With ``hold_when_unacknowledged`` the same refusal resumes no one; the caller acknowledges, and
+    the same id prepares again through every step."""
+    gyms = servers()
+    log = gyms["policy"].log
+    _blocked_by_unacknowledged(gyms["agent0"])
+
+    async def scenario(fleet: GymFleet) -> None:
+        with pytest.raises(UnacknowledgedResults):
+            await fleet.prepare("c1", time.time() + 30, hold_when_unacknowledged=True)
+        assert _resumed(log) == [] and not gyms["tools"].calls("resources-checkpoint/prepare")
+        gyms["agent0"].script.clear()  # acknowledged: the agent is ready now
+        mark = len(log)
+        prep = await fleet.prepare("c1", time.time() + 30, hold_when_unacknowledged=True)
+        assert prep.checkpoint_id == "c1" and _resumed(log) == []
+        assert next(c for c in calls(log, mark) if c[1] != "model-admission/status") == ("policy", "model-admission/pause")
+        assert ("tools", "resources-checkpoint/prepare") in calls(log, mark)
+        assert {s.json["checkpoint_id"] for s in log[mark:] if s.method == "POST"} == {"c1"}
+
+    run(gyms, scenario)
+
+
+@pytest.mark.parametrize("other", ["a_failure", "parked_without_boundary"])
+def test_a_prepare_asked_to_hold_still_resumes_everyone_when_something_else_blocks(other: str) -> None:
+    """Holding is only for what acknowledging clears: another agent's failure, or executions parked
+    without a boundary, resume everyone called as before."""
+    gyms = servers()
+    if other == "a_failure":
+        _blocked_by_unacknowledged(gyms["agent0"])
+        gyms["agent1"].queue("agent-checkpoint/prepare", refusal("agent_checkpoint_error", "disk full", 500))
+    else:
+        _blocked_by_unacknowledged(gyms["agent0"], parked_without_boundary=1)
+
+    async def scenario(fleet: GymFleet) -> None:
+        with pytest.raises(ControlCallError) as err:
+            await fleet.prepare("c1", time.time() + 30, hold_when_unacknowledged=True)
+        assert not isinstance(err.value, UnacknowledgedResults)
+        assert err.value.code == ("agent_checkpoint_error" if other == "a_failure" else "agent_prepare_incomplete")
+        assert _resumed(gyms["policy"].log) == ["agent0", "agent1", "policy"]
+
+    run(gyms, scenario)
+
+
+def test_unacknowledged_results_keep_their_type_and_fields_across_pickling() -> None:
+    exc = UnacknowledgedResults(ControlCallError("agent0: 409", component=AGENTS, name="agent0", status=409,
+                                                 code="agent_prepare_incomplete", step="agent-checkpoint/prepare"),
+                                UNACKNOWLEDGED)
+    back = pickle.loads(pickle.dumps(exc))
+    assert isinstance(back, UnacknowledgedResults) and str(back) == "agent0: 409"
+    assert (back.component, back.name, back.status, back.code, back.step, back.attempts) == (
+        AGENTS, "agent0", 409, "agent_prepare_incomplete", "agent-checkpoint/prepare", UNACKNOWLEDGED)
 
 
 def test_a_participant_a_failed_prepare_left_behind_is_resumed_before_the_next_prepare() -> None:

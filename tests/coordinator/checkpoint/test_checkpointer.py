@@ -121,7 +121,8 @@ class FakeGym:
         if name in self.fail:
             raise GymCallError(f"{name} of agent a0: 500", component=AGENTS, name="a0", status=500)
 
-    def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
+    def prepare_checkpoint(self, checkpoint_id: str, deadline_ts: float, *,
+                           hold_when_unacknowledged: bool = False) -> PrepareResult:
         self._call("prepare")
         return PrepareResult(checkpoint_id=checkpoint_id, participants=[])
 
