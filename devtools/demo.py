@@ -136,7 +136,9 @@ def run_demo(store: str, workdir: Path, workload: Workload, config: ControllerCo
     for s in saves_of(workdir / "run"):  # both jobs append to it
         state = f"snapshot {s['sequence']}" if s["published"] else f"not published ({s['error']})"
         steps = ", ".join(f"{k} {v * 1000:.0f}" for k, v in s["steps_s"].items())
-        _say(f"   {state}: pause {s['pause_s'] * 1000:.0f} ms [{steps} ms], {s['cut_bytes'] / 1e6:.2f} MB cut")
+        again = s.get("prepares", 1) - 1
+        retried = f" ({again} prepare(s) again: results completed after the flush)" if again > 0 else ""
+        _say(f"   {state}: pause {s['pause_s'] * 1000:.0f} ms [{steps} ms], {s['cut_bytes'] / 1e6:.2f} MB cut{retried}")
         if s["published"]:
             _say(f"      {written(s)}")
 

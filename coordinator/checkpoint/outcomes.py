@@ -29,7 +29,8 @@ class SaveReport(msgspec.Struct, frozen=True, kw_only=True):
     files this save wrote (an incremental save: its new segments; else every row);
     ``rows_shared_bytes``, the row objects it lists from its parent without writing them;
     ``parts_bytes``, every other file (Gym's parts, the controller's records, part manifests),
-    written whole by every save."""
+    written whole by every save. ``prepares``: the ``prepare_checkpoint`` calls it made (more than
+    one when results completed after its flush of acknowledgements: :mod:`coordinator.checkpoint.save`)."""
 
     checkpoint_id: str
     mode: str
@@ -45,6 +46,7 @@ class SaveReport(msgspec.Struct, frozen=True, kw_only=True):
     rows_new_bytes: int = 0
     rows_shared_bytes: int = 0
     parts_bytes: int = 0
+    prepares: int = 0
 
 
 class Continued(msgspec.Struct, frozen=True, kw_only=True):

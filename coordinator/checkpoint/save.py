@@ -87,6 +87,7 @@ class Progress:
     rows_new_bytes: int = 0
     rows_shared_bytes: int = 0
     parts_bytes: int = 0
+    prepares: int = 0
     published: Published | None = None
 
     def timed(self, name: str, fn: Callable[[], T]) -> T:
@@ -103,7 +104,7 @@ class Progress:
                           snapshot_url=None if p is None else p.url, error=error, pause_s=self.pause_s,
                           steps_s=dict(self.steps), cut_bytes=self.cut_bytes, rows=dict(self.rows),
                           rows_new_bytes=self.rows_new_bytes, rows_shared_bytes=self.rows_shared_bytes,
-                          parts_bytes=self.parts_bytes)
+                          parts_bytes=self.parts_bytes, prepares=self.prepares)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ def _prepare(seams: Seams, progress: Progress, flush_again: Callable[[float], No
     ids, held = 1, 0
     deadline = time.time() + timeout
     while True:
+        progress.prepares += 1
         try:
             seams.gym.prepare_checkpoint(progress.checkpoint_id, deadline, hold_when_unacknowledged=True)
             return progress.checkpoint_id

@@ -123,7 +123,7 @@ def test_the_cut_is_taken_while_gym_prepares_and_commits(tmp_path: Path) -> None
     outcome, pending = save(s, books(), "f")
     report = outcome.report
     assert gym.cut_begun_in_prepare  # sequential, the cut would begin only after the commit
-    assert gym.calls == ["prepare", "commit", "resume"]
+    assert gym.calls == ["prepare", "commit", "resume"] and report.prepares == 1
     assert {"cut", "cut_wait"} <= set(report.steps_s) and report.steps_s["cut"] > 0
     assert outcome.status == "writing" and pending is not None
     # the background write gets the cut: both rows, as they were
@@ -207,6 +207,7 @@ def test_a_prepare_gym_held_for_unacknowledged_results_prepares_the_same_id_agai
     assert gym.ids["commit"] == gym.ids["resume"] == [cid] and outcome.report.checkpoint_id == cid
     assert flushes == [False, True] and _cut_keys(pending) == ["a", "late"]
     assert slept == [0.0]  # SETTLE_S is for a resumed Gym; the first flush of a held one waits for nothing
+    assert outcome.report.prepares == 2
     assert "abort" not in gym.calls
 
 
@@ -221,7 +222,7 @@ def test_a_prepare_held_every_time_aborts_its_id_after_the_last_one(tmp_path: Pa
     assert isinstance(outcome.cause, GymCallError) and outcome.cause.held
     assert gym.calls == ["prepare"] * (HELD_PREPARES + 1) + ["abort"]
     assert set(gym.ids["prepare"]) == set(gym.ids["abort"])  # one id, held then aborted
-    assert s.store_and_acknowledge.call_count == HELD_PREPARES + 1
+    assert s.store_and_acknowledge.call_count == HELD_PREPARES + 1 and outcome.report.prepares == HELD_PREPARES + 1
     assert plane.ended.is_set() and s.store.latest() is None
 
 
