@@ -188,20 +188,27 @@ def _save_sleeps(monkeypatch) -> list[float]:
     return slept
 
 
-def test_a_prepare_gym_held_for_unacknowledged_results_prepares_the_same_id_again(tmp_path: Path,
-                                                                                   monkeypatch) -> None:
-    """A result completed after the first flush, and the actor held Gym paused (agent admission
-    closed) instead of resuming it. The save stores and acknowledges again, prepares the same id at
-    once (no settling: nothing else can complete), and its cut follows the second flush."""
+def _save_with_a_late_result(tmp_path: Path, monkeypatch, held: bool):
+    """A save whose first prepare is refused for a result that completed after the first flush (held
+    or not): the scripted Gym, the seams, the flushes' record, the save's sleeps, and its outcome."""
     plane = CutGate()
     plane.put(*_row("a", 1))
-    gym = ScriptedGym(plane, refusals=1, held=True)
+    gym = ScriptedGym(plane, refusals=1, held=held)
     s = seams(tmp_path, plane, gym)
     flushes: list[bool] = []
     s.store_and_acknowledge.side_effect = _late_result_flush(plane, flushes)
     slept = _save_sleeps(monkeypatch)
     outcome, pending = save(s, books(), "f")
     assert outcome.status == "writing" and pending is not None, outcome.report.error
+    return gym, s, flushes, slept, outcome, pending
+
+
+def test_a_prepare_gym_held_for_unacknowledged_results_prepares_the_same_id_again(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """A result completed after the first flush, and the actor held Gym paused (agent admission
+    closed) instead of resuming it. The save stores and acknowledges again, prepares the same id at
+    once (no settling: nothing else can complete), and its cut follows the second flush."""
+    gym, _, flushes, slept, outcome, pending = _save_with_a_late_result(tmp_path, monkeypatch, held=True)
     assert gym.calls == ["prepare", "prepare", "commit", "resume"] and gym.asked_to_hold == [True, True]
     (cid,) = set(gym.ids["prepare"])
     assert gym.ids["commit"] == gym.ids["resume"] == [cid] and outcome.report.checkpoint_id == cid
@@ -232,15 +239,7 @@ def test_a_prepare_refused_agent_prepare_incomplete_flushes_again_under_a_fresh_
     Gym (it did not hold it). The save stores and acknowledges again, prepares under a fresh
     checkpoint id, and its cut is the one taken after the second flush (it holds the row that flush
     stored); the first id is never committed."""
-    plane = CutGate()
-    plane.put(*_row("a", 1))
-    gym = ScriptedGym(plane, refusals=1)
-    s = seams(tmp_path, plane, gym)
-    flushes: list[bool] = []
-    s.store_and_acknowledge.side_effect = _late_result_flush(plane, flushes)
-    slept = _save_sleeps(monkeypatch)
-    outcome, pending = save(s, books(), "f")
-    assert outcome.status == "writing" and pending is not None, outcome.report.error
+    gym, s, flushes, slept, outcome, pending = _save_with_a_late_result(tmp_path, monkeypatch, held=False)
     assert gym.calls == ["prepare", "prepare", "commit", "resume"]
     assert slept == [SETTLE_S]  # the resumed rollouts are given time to complete before the flush
     first, second = gym.ids["prepare"]
