@@ -222,13 +222,10 @@ class NemoGym:
         self._freeze(checkpoint_id)
         try:
             return await fleet.prepare(checkpoint_id, deadline_ts, hold_when_unacknowledged=hold_when_unacknowledged)
-        except UnacknowledgedResults as exc:
-            if not hold_when_unacknowledged:
-                self._unfreeze(checkpoint_id)
-                raise
-            raise GymCallError(str(exc), component=exc.component, name=exc.name, status=exc.status,
-                               error=exc.code, held=True) from None
-        except BaseException:
+        except BaseException as exc:
+            if hold_when_unacknowledged and isinstance(exc, UnacknowledgedResults):  # the fleet resumed no one
+                raise GymCallError(str(exc), component=exc.component, name=exc.name, status=exc.status,
+                                   error=exc.code, held=True) from None
             self._unfreeze(checkpoint_id)
             raise
 
