@@ -1024,18 +1024,12 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
             "kit_listens": listens.count, "park_s": round(park, 3), "parked": status.parked}
 
 
-async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) -> dict[str, Any]:
-    """The reference model server alone, in-process: ``rollouts`` rollouts of ``calls`` model calls
-    each (answered by :meth:`RefModel.call`, no HTTP), then ``2 * repeats`` commits of every rollout
-    into RAM (``/dev/shm`` when it is there), every other one inside :func:`gymkit.collector.collector_held`
-    as the kit's commit route runs it. Returns each kind's times and medians (the collector lever's
-    in-process measurement)."""
-    from gymkit.collector import collector_held
-    from gymkit.model_control import ModelAdmission, ModelCommitContext
+async def _served_model(rollouts: int, calls: int) -> Any:
+    """The reference model server in-process (a :class:`refgym.model_server.RefModel`), having
+    answered ``calls`` chained model calls of each of ``rollouts`` rollouts (no HTTP)."""
+    from gymkit.model_control import ModelAdmission
     from refgym.api import ModelCall
     from refgym.model_server import RefModel
-    from schemas.gym_records import AgentContinuationRoot
-    from snapformat.gym_dir import root_order, write_jsonl
 
     model = RefModel("policy", 0, ModelAdmission())
     for i in range(rollouts):
@@ -1045,18 +1039,42 @@ async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) ->
                                        model_call_id=f"call-{turn}", parent_call_id=parent, turn_index=turn,
                                        prompt_token_ids=list(range(1, 40))))
             parent = f"call-{turn}"
-    ram = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    return model
+
+
+def _continuation_indexes(checkpoint_dir: str, rollouts: int, calls: int) -> tuple[Any, ...]:
+    """Ten agents' continuation indexes in ``checkpoint_dir``, every rollout of :func:`_served_model`
+    rooted at its last call; the references a model commit is given."""
+    from schemas.gym_records import AgentContinuationRoot
+    from snapformat.gym_dir import root_order, write_jsonl
+
+    return tuple(write_jsonl(checkpoint_dir, f"agent/agent-{a}/continuations.jsonl", sorted(
+        (AgentContinuationRoot(rollout_id=f"r{i:07d}", attempt_index=0, capture_key=f"r{i:07d}",
+                               last_committed_model_call_id=f"call-{calls - 1}",
+                               resource_state_revisions={"notes": 1}) for i in range(a, rollouts, 10)),
+        key=root_order)) for a in range(10))
+
+
+def _ram_dir() -> Path | None:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) -> dict[str, Any]:
+    """The reference model server alone, in-process: ``rollouts`` rollouts of ``calls`` model calls
+    each (answered by :meth:`RefModel.call`, no HTTP), then ``2 * repeats`` commits of every rollout
+    into RAM (``/dev/shm`` when it is there), every other one inside :func:`gymkit.collector.collector_held`
+    as the kit's commit route runs it. Returns each kind's times and medians (the collector lever's
+    in-process measurement)."""
+    from gymkit.collector import collector_held
+    from gymkit.model_control import ModelCommitContext
+
+    model = await _served_model(rollouts, calls)
     times: dict[str, list[float]] = {"collector_on": [], "collector_held": []}
     for rep in range(2 * repeats):
         held = rep % 2 == 1
-        with tempfile.TemporaryDirectory(dir=ram) as tmp:
-            refs = tuple(write_jsonl(tmp, f"agent/agent-{a}/continuations.jsonl", sorted(
-                (AgentContinuationRoot(rollout_id=f"r{i:07d}", attempt_index=0, capture_key=f"r{i:07d}",
-                                       last_committed_model_call_id=f"call-{calls - 1}",
-                                       resource_state_revisions={"notes": 1}) for i in range(a, rollouts, 10)),
-                key=root_order)) for a in range(10))
+        with tempfile.TemporaryDirectory(dir=_ram_dir()) as tmp:
             ctx = ModelCommitContext(checkpoint_id=f"lever-{rep}", deadline_ts=time.time() + DEADLINE_S,
-                                     checkpoint_dir=tmp, continuation_indexes=refs)
+                                     checkpoint_dir=tmp, continuation_indexes=_continuation_indexes(tmp, rollouts, calls))
             t = time.perf_counter()
             if held:
                 with collector_held():
@@ -1066,6 +1084,75 @@ async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) ->
             times["collector_held" if held else "collector_on"].append(round(time.perf_counter() - t, 4))
     return {"rollouts": rollouts, "calls": len(model.calls), "times_s": times,
             "median_s": {k: round(statistics.median(v), 4) for k, v in times.items()}}
+
+
+#: The model-restore lever's kinds: the collector on throughout, held off in the restore (as before
+#: the freeze), held off and what the restore left alive frozen (``collector_held(keep=True)``, the
+#: kits' restore routes).
+RESTORE_COLLECTOR_KINDS = ("collector_on", "collector_held", "held_and_frozen")
+#: Objects the restore lever allocates after each restore, kept alive: the resume's first work.
+WORK_AFTER_RESTORE = 300_000
+
+
+def _restore_in_this_process(checkpoint_dir: str, kind: str) -> dict[str, float]:
+    """One restore of the model-restore lever, in a fresh process: a fresh reference model restores
+    the ledger in ``checkpoint_dir`` with the collector as ``kind`` says, then allocates
+    :data:`WORK_AFTER_RESTORE` objects that live on (what the collections after the restore walk).
+    Also returns how many objects the restore left frozen."""
+    import gc
+
+    from gymkit.collector import collector_held
+    from gymkit.model_control import ModelAdmission, ModelRestoreContext
+    from refgym.model_server import RefModel
+
+    async def restore() -> tuple[float, float]:
+        fresh = RefModel("policy", 0, ModelAdmission())
+        ctx = ModelRestoreContext(checkpoint_id="lever-restore", deadline_ts=time.time() + DEADLINE_S,
+                                  checkpoint_dir=checkpoint_dir)
+        gc.collect()
+        t0 = time.perf_counter()
+        if kind == "collector_on":
+            await fresh.restore(ctx)
+        else:
+            with collector_held(keep=kind == "held_and_frozen"):
+                await fresh.restore(ctx)
+        t1 = time.perf_counter()
+        kept = [{"i": i, "pair": [i, i + 1]} for i in range(WORK_AFTER_RESTORE)]
+        t2 = time.perf_counter()
+        assert len(kept) == WORK_AFTER_RESTORE and len(fresh.calls) > 0
+        return t1 - t0, t2 - t1
+
+    restore_s, work_s = asyncio.run(restore())
+    return {"restore_s": round(restore_s, 4), "work_after_s": round(work_s, 4), "total_s": round(restore_s + work_s, 4),
+            "frozen_objects": gc.get_freeze_count()}
+
+
+async def model_restore_lever(rollouts: int, calls: int = 3, repeats: int = 5) -> dict[str, Any]:
+    """The freeze lever, in-process: the reference model's ledger of ``rollouts`` rollouts of
+    ``calls`` calls each is committed into RAM once, then restored ``repeats`` times for each of
+    :data:`RESTORE_COLLECTOR_KINDS`, in turn, each restore in a fresh process (the collector and its
+    permanent generation are the process's). Returns each kind's times and medians."""
+    import concurrent.futures
+    import multiprocessing
+
+    model = await _served_model(rollouts, calls)
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in RESTORE_COLLECTOR_KINDS}
+    with tempfile.TemporaryDirectory(dir=_ram_dir()) as tmp:
+        from gymkit.model_control import ModelCommitContext
+
+        await model.commit(ModelCommitContext(checkpoint_id="lever-saved", deadline_ts=time.time() + DEADLINE_S,
+                                              checkpoint_dir=tmp,
+                                              continuation_indexes=_continuation_indexes(tmp, rollouts, calls)))
+        del model
+        spawn = multiprocessing.get_context("spawn")
+        for rep in range(repeats):
+            for kind in RESTORE_COLLECTOR_KINDS[rep % 3:] + RESTORE_COLLECTOR_KINDS[:rep % 3]:  # rotate the order
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                    runs[kind].append(pool.submit(_restore_in_this_process, tmp, kind).result())
+                _say(f"model restore of {rollouts:,}, {kind}: {runs[kind][-1]}")
+    return {"rollouts": rollouts, "calls_per_rollout": calls, "work_after_restore_objects": WORK_AFTER_RESTORE,
+            "runs": runs, "median_s": {k: {m: round(statistics.median(r[m] for r in v), 4) for m in v[0]}
+                                       for k, v in runs.items()}}
 
 
 #: The rows of the restore-order lever's table (keys of PHASES), in order.
@@ -1126,7 +1213,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-commit", type=int, metavar="ROLLOUTS", help="the collector lever's measurement: "
                    "the model server in-process, its commit with the cyclic collector on and held off "
                    "(see model_commit_lever), print its JSON and exit")
+    p.add_argument("--model-restore", type=int, metavar="ROLLOUTS", help="the freeze lever's measurement: "
+                   "the model's ledger restored in fresh processes with the collector on, held off, and held off "
+                   "then frozen (see model_restore_lever), print its JSON and exit")
     opts = p.parse_args(argv)
+    if opts.model_restore:
+        print(msgspec.json.encode(asyncio.run(model_restore_lever(opts.model_restore))).decode())
+        return 0
     if opts.agent_wave:
         print(msgspec.json.encode(asyncio.run(agent_wave(opts.agent_wave))).decode())
         return 0

@@ -800,7 +800,7 @@ def agent_router(participant: AgentParticipant, executions: AgentExecutions, fen
 
     async def restore(req: CheckpointDirRequest) -> AgentRestoreResponse:
         async def run() -> AgentRestoreResponse:
-            with collector_held():
+            with collector_held(keep=True):
                 manifest, records, _ = await asyncio.to_thread(read_agent_checkpoint, req.checkpoint_dir,
                                                                instance_name())
                 await participant.on_restore(list(records))

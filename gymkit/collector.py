@@ -11,14 +11,25 @@ Held off, that walk waits until the step is over. Reference counting still frees
 that is not part of a cycle as soon as it is dropped, so what waits is only the step's cyclic
 garbage. The collector's counts go on growing meanwhile; the next allocation after the step runs a
 young collection of what the step left alive, and the older collections follow by Python's own
-rule. A commit leaves little alive (its reply). A restore leaves the whole restored state, which
-those collections then walk, a few times, where without the hold the full collections walked it
-again and again while it grew: at 100,000 rollouts they land in the resume that follows (1.04 s
-against 0.22 s, one run each).
+rule. A commit leaves little alive (its reply).
+
+A restore leaves the whole restored state alive, and those collections would walk all of it, a few
+times, in the resume that follows (at 100,000 rollouts: 1.04 s against 0.22 s without the hold, one
+run each). So a restore holds with ``keep=True``: what it leaves alive is the process's long-lived
+state, and when the last hold ends after a kept block succeeded, ``gc.freeze()`` moves every object
+then alive into Python's permanent generation, which no collection walks again, neither in the
+resume nor in any full collection of the run after it. The reference model's restore of 100,000
+rollouts in a fresh process, then 300,000 objects that live on: ``python -m benchmarks.scale_bench
+--model-restore 100000`` (``benchmarks/results/scale_freeze.md``). Reference counting still frees a
+frozen object once it is dropped. The cost: a reference cycle among the objects alive at the freeze
+is never collected. A restore is rare (Gym's participants restore when idle, the resources servers
+only in a fresh process), so that is bounded by the cycles alive at a few moments of a run.
 
 The collector is the process's, so the hold is too: holds nest and overlap (several servers in one
 process, a commit on a worker thread), and the collector is enabled again when the last one ends,
-and only if it was enabled when the first began (a server that turned it off keeps it off).
+and only if it was enabled when the first began (a server that turned it off keeps it off). The
+freeze waits for the last hold too, so a step still running in another hold is over before anything
+is frozen.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ __all__ = ["collector_held", "holds"]
 _lock = threading.Lock()
 _holds = 0
 _was_enabled = False
+_freeze_when_released = False
 
 
 def holds() -> int:
@@ -41,18 +53,27 @@ def holds() -> int:
 
 
 @contextlib.contextmanager
-def collector_held() -> Iterator[None]:
-    """Run the block with Python's cyclic collector disabled (see the module docstring)."""
-    global _holds, _was_enabled
+def collector_held(*, keep: bool = False) -> Iterator[None]:
+    """Run the block with Python's cyclic collector disabled (see the module docstring). ``keep``:
+    what the block leaves alive is long-lived (a restore's state); if it ends without an exception,
+    the last hold to end freezes every object then alive (``gc.freeze()``)."""
+    global _holds, _was_enabled, _freeze_when_released
     with _lock:
         if _holds == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
         _holds += 1
+    ok = False
     try:
         yield
+        ok = True
     finally:
         with _lock:
             _holds -= 1
-            if _holds == 0 and _was_enabled:
-                gc.enable()
+            _freeze_when_released |= keep and ok
+            if _holds == 0:
+                if _freeze_when_released:
+                    _freeze_when_released = False
+                    gc.freeze()
+                if _was_enabled:
+                    gc.enable()

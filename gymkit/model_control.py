@@ -387,7 +387,7 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
         async def load() -> ModelRestoreResponse:
             admission.close()  # stays closed if the restore fails (restore_failed_paused)
             _usable_dir(req.checkpoint_dir)
-            with collector_held():
+            with collector_held(keep=True):
                 reply = await participant.restore(ModelRestoreContext(
                     checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir))
             for attempt in (*reply.tombstones, *reply.source_attempts):

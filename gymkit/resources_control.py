@@ -693,7 +693,7 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
     async def restore(req: CheckpointDirRequest) -> ResourcesRestoreResponse:
         async def run() -> ResourcesRestoreResponse:
             sessions.check_restorable([])  # closes admission; unsafe_resources_restore before any file is read
-            with collector_held():
+            with collector_held(keep=True):
                 source_id, snapshots = await asyncio.to_thread(load_resources_checkpoint, req.checkpoint_dir,
                                                                server_name(), check_agents=check_agent_revisions)
                 replacements = sessions.check_restorable(snapshots)

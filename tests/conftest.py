@@ -10,6 +10,7 @@ start once per worker.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 from collections.abc import Iterator
@@ -28,6 +29,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Each module is one xdist group; every module that starts Ray is in one group together."""
     for item, group in zip(items, xdist_groups([(i.nodeid, i.fixturenames) for i in items]), strict=True):
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def collector_unfrozen() -> Iterator[None]:
+    """A restore run in the test process freezes every object then alive (``gymkit.collector``);
+    after each test they go back to the collector, so no test's reference cycles outlive the session."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ restored; the counts agree; the report and plot are written), never how fast."""
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -105,6 +106,18 @@ def test_processes_cpu_counts_the_work_of_a_live_process_and_not_a_gone_one() ->
     finally:
         busy.communicate(b"\n", timeout=30)
     assert scale_bench.processes_cpu_s([busy.pid]) == 0.0  # reaped: nothing to count
+
+
+def test_the_restore_lever_restores_in_fresh_processes_and_freezes_only_the_kept_kind() -> None:
+    import asyncio
+
+    res = asyncio.run(scale_bench.model_restore_lever(30, calls=2, repeats=1))
+    assert res["rollouts"] == 30 and list(res["runs"]) == list(scale_bench.RESTORE_COLLECTOR_KINDS)
+    frozen = {kind: [r["frozen_objects"] for r in runs] for kind, runs in res["runs"].items()}
+    # each restore ran in its own process: only the kept hold froze anything, and this process froze nothing
+    assert frozen["collector_on"] == frozen["collector_held"] == [0] and frozen["held_and_frozen"][0] > 0
+    assert all(r["restore_s"] > 0 and r["work_after_s"] > 0 for runs in res["runs"].values() for r in runs)
+    assert gc.get_freeze_count() == 0
 
 
 def test_scale_plot_is_written(tmp_path: Path) -> None:

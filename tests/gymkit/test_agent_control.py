@@ -527,7 +527,7 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypat
             for t in runs:
                 t.cancel()
         # The commit (on a worker thread) ran with the cyclic collector held off, and got it back after.
-        assert commits_collector_on == [False] and gc.isenabled()
+        assert commits_collector_on == [False] and gc.isenabled() and gc.get_freeze_count() == 0
         # a fresh process restores
         s = Server()
         async with serving(s) as c:
@@ -539,6 +539,7 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypat
                                 "continuation_index": committed["continuation_index"]}
             assert s.agent.events == [("restore", [("rollout-a", 0), ("rollout-b", 0)])]
             assert s.agent.collector_on == [False] and gc.isenabled()
+            assert gc.get_freeze_count() > 0  # what the restore left alive is frozen (gymkit.collector)
             assert (s.fence.phase, s.fence.active_checkpoint_id) == ("restored_paused", "restore-1")
             assert (await c.post(f"{P}/restore", json=req, headers=AUTH)).json() == r.json()  # replay
             expect_error(await c.post(f"{P}/restore", json={**req, "checkpoint_id": "restore-2"}, headers=AUTH),

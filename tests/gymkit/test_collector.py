@@ -1,5 +1,6 @@
 """gymkit.collector: Python's cyclic collector held off for a block, process-wide, nesting and
-overlapping across threads, and given back as it was found."""
+overlapping across threads, and given back as it was found; what a kept block leaves alive frozen
+when the last hold ends."""
 
 from __future__ import annotations
 
@@ -15,8 +16,19 @@ from gymkit.collector import collector_held, holds
 @pytest.fixture(autouse=True)
 def collector_enabled() -> Iterator[None]:
     gc.enable()
+    gc.unfreeze()
     yield
     gc.enable()
+    gc.unfreeze()
+
+
+class State:
+    """An object the collector tracks, standing for a restored record."""
+
+
+def frozen(obj: object) -> bool:
+    """Whether ``obj`` is in the permanent generation (the collector's referrer lists leave it out)."""
+    return not any(obj is o for o in gc.get_objects())
 
 
 def test_the_collector_is_off_in_the_block_and_on_after() -> None:
@@ -72,3 +84,42 @@ def test_overlapping_holds_on_threads_end_with_the_last_one() -> None:
     for t in threads:
         t.join(10)
     assert seen == {"after the first ended": False, "after both": True} and holds() == 0
+
+
+def test_a_kept_block_freezes_what_it_left_alive() -> None:
+    with collector_held(keep=True):
+        restored = [State() for _ in range(100)]
+        assert gc.get_freeze_count() == 0  # not while the block runs
+    assert gc.isenabled() and gc.get_freeze_count() >= len(restored)
+    assert all(frozen(s) for s in restored)
+    after = State()
+    assert not frozen(after)  # what comes later is the collector's as before
+
+
+def test_a_plain_block_freezes_nothing() -> None:
+    with collector_held():
+        kept = State()
+    assert gc.get_freeze_count() == 0 and not frozen(kept)
+
+
+def test_a_kept_block_that_raises_freezes_nothing() -> None:
+    with pytest.raises(RuntimeError, match="restore failed"), collector_held(keep=True):
+        partial = State()
+        raise RuntimeError("restore failed")
+    assert gc.get_freeze_count() == 0 and not frozen(partial) and gc.isenabled()
+
+
+def test_the_freeze_waits_for_the_outer_hold() -> None:
+    with collector_held():
+        with collector_held(keep=True):
+            restored = State()
+        assert gc.get_freeze_count() == 0  # a step of another server still runs in the outer hold
+        late = State()
+    assert frozen(restored) and frozen(late) and gc.isenabled()
+
+
+def test_a_process_that_turned_it_off_still_freezes_a_kept_block() -> None:
+    gc.disable()
+    with collector_held(keep=True):
+        restored = State()
+    assert frozen(restored) and not gc.isenabled()

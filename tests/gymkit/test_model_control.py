@@ -502,6 +502,7 @@ async def test_restore_closes_admission_and_fences_saved_attempts(server: Server
     assert server.ledger.restores[0].checkpoint_dir == "/ckpt/dir"
     assert server.fence.phase == "restored_paused" and server.admission.state == "paused"
     assert server.ledger.collector_on == [False] and gc.isenabled()  # held off in the restore only
+    assert gc.get_freeze_count() > 0  # and what it left alive is frozen (gymkit.collector)
     assert (await call(client, RESTORE, body)).content == first.content and len(server.ledger.restores) == 1
     r = await model_call(client, "rollout-b")
     assert r.json()["error"]["code"] == "checkpoint_parked"

@@ -489,7 +489,7 @@ def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path, mo
         ckdir = tmp_path / "gym"
         await committed(ckdir)
         # The commit (on a worker thread) and the import below ran with the cyclic collector held off.
-        assert commits_collector_on == [False] and gc.isenabled()
+        assert commits_collector_on == [False] and gc.isenabled() and gc.get_freeze_count() == 0  # froze nothing
         s = Server()
         async with serving(s) as c:
             req = body("restore-1", checkpoint_dir=str(ckdir))
@@ -498,6 +498,7 @@ def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path, mo
             assert (await c.post(f"{P}/restore", json=req, headers=AUTH)).json() == r.json()  # replay
             assert s.toy.events == [("import", [("a", 1), ("b", 1)])]
             assert s.toy.collector_on == [False] and gc.isenabled()
+            assert gc.get_freeze_count() > 0  # what the restore left alive is frozen (gymkit.collector)
             assert (s.fence.phase, s.fence.active_checkpoint_id) == ("restored_paused", "restore-1")
             assert s.sessions.bound() == [("a", 1), ("b", 1)]
             assert (s.sessions.revision("a", 1), s.sessions.revision("b", 1)) == (3, 2)
