@@ -27,7 +27,8 @@ class State:
 
 
 def frozen(obj: object) -> bool:
-    """Whether ``obj`` is in the permanent generation (the collector's referrer lists leave it out)."""
+    """Whether ``obj`` is in the permanent generation (``gc.get_objects()`` lists the tracked objects
+    of the three collected generations only)."""
     return not any(obj is o for o in gc.get_objects())
 
 
