@@ -1055,14 +1055,10 @@ def _continuation_indexes(checkpoint_dir: str, rollouts: int, calls: int) -> tup
         key=root_order)) for a in range(10))
 
 
-def _ram_dir() -> Path | None:
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-
-
 async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) -> dict[str, Any]:
     """The reference model server alone, in-process: ``rollouts`` rollouts of ``calls`` model calls
     each (answered by :meth:`RefModel.call`, no HTTP), then ``2 * repeats`` commits of every rollout
-    into RAM (``/dev/shm`` when it is there), every other one inside :func:`gymkit.collector.collector_held`
+    into RAM (:func:`ram_staging`, when there is one), every other one inside :func:`gymkit.collector.collector_held`
     as the kit's commit route runs it. Returns each kind's times and medians (the collector lever's
     in-process measurement)."""
     from gymkit.collector import collector_held
@@ -1072,7 +1068,7 @@ async def model_commit_lever(rollouts: int, calls: int = 2, repeats: int = 5) ->
     times: dict[str, list[float]] = {"collector_on": [], "collector_held": []}
     for rep in range(2 * repeats):
         held = rep % 2 == 1
-        with tempfile.TemporaryDirectory(dir=_ram_dir()) as tmp:
+        with tempfile.TemporaryDirectory(dir=ram_staging()) as tmp:
             ctx = ModelCommitContext(checkpoint_id=f"lever-{rep}", deadline_ts=time.time() + DEADLINE_S,
                                      checkpoint_dir=tmp, continuation_indexes=_continuation_indexes(tmp, rollouts, calls))
             t = time.perf_counter()
@@ -1129,17 +1125,17 @@ def _restore_in_this_process(checkpoint_dir: str, kind: str) -> dict[str, float]
 
 async def model_restore_lever(rollouts: int, calls: int = 3, repeats: int = 5) -> dict[str, Any]:
     """The freeze lever, in-process: the reference model's ledger of ``rollouts`` rollouts of
-    ``calls`` calls each is committed into RAM once, then restored ``repeats`` times for each of
+    ``calls`` calls each is committed into RAM (:func:`ram_staging`) once, then restored ``repeats`` times for each of
     :data:`RESTORE_COLLECTOR_KINDS`, in turn, each restore in a fresh process (the collector and its
     permanent generation are the process's). Returns each kind's times and medians."""
     import concurrent.futures
     import multiprocessing
 
+    from gymkit.model_control import ModelCommitContext
+
     model = await _served_model(rollouts, calls)
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in RESTORE_COLLECTOR_KINDS}
-    with tempfile.TemporaryDirectory(dir=_ram_dir()) as tmp:
-        from gymkit.model_control import ModelCommitContext
-
+    with tempfile.TemporaryDirectory(dir=ram_staging()) as tmp:
         await model.commit(ModelCommitContext(checkpoint_id="lever-saved", deadline_ts=time.time() + DEADLINE_S,
                                               checkpoint_dir=tmp,
                                               continuation_indexes=_continuation_indexes(tmp, rollouts, calls)))
