@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector, held off while a participant commits or restores.
+"""Python's cyclic garbage collector, held off while a participant commits or restores, and while
+a checkpoint is under way.
 
 A commit or a restore allocates objects per rollout (records, rows, digests, file names) in a process
 whose heap already holds every rollout's state. Once enough of them survive a young collection,
@@ -16,8 +17,8 @@ rule. A commit leaves little alive (its reply).
 A restore leaves the whole restored state alive, and those collections would walk all of it, a few
 times, in the resume that follows (at 100,000 rollouts: 1.04 s against 0.22 s without the hold, one
 run each). So a restore holds with ``keep=True``: what it leaves alive is the process's long-lived
-state, and when the last hold ends after a kept block succeeded, ``gc.freeze()`` moves every object
-then alive into Python's permanent generation, which no collection walks again, neither in the
+state, and when the last hold ends after a kept block succeeded (with the fence's hold below: at the
+resume), ``gc.freeze()`` moves every object then alive into Python's permanent generation, which no collection walks again, neither in the
 resume nor in any full collection of the run after it. The reference model's restore of 100,000
 rollouts in a fresh process, then 300,000 objects that live on: ``python -m benchmarks.scale_bench
 --model-restore 100000`` (``benchmarks/results/scale_freeze.md``). Reference counting still frees a
@@ -30,6 +31,17 @@ process, a commit on a worker thread), and the collector is enabled again when t
 and only if it was enabled when the first began (a server that turned it off keeps it off). The
 freeze waits for the last hold too, so a step still running in another hold is over before anything
 is frozen.
+
+**A whole checkpoint.** A participant's fence holds the collector from the moment it leaves ``idle``
+(its prepare, or a restore) until it is ``idle`` again (its resume, an abort, or a failure that
+leaves no checkpoint active): :class:`HeldWhile`, which :class:`gymkit.fence.Fence` owns. Every
+participant of a pause is on the pause's critical path, and a full collection there walks the
+whole heap to find next to nothing: at 10 agent servers and 10,000 parked rollouts, every host
+process ran one right after the commit step, 0.08-0.25 CPU-seconds each (a few thousand objects
+collected), inside the resume that ends the pause (``benchmarks/results/scale_pause_hold.md``).
+Held, those collections run once the last participant of the process has resumed, while the
+rollouts run again. What waits meanwhile is the pause's cyclic garbage, bounded by the work a
+pause does (the turns in flight finishing, the commit, the resume's replies).
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["collector_held", "holds"]
+__all__ = ["CollectorHold", "HeldWhile", "collector_held", "hold", "holds"]
 
 _lock = threading.Lock()
 _holds = 0
@@ -48,8 +60,45 @@ _freeze_when_released = False
 
 
 def holds() -> int:
-    """How many :func:`collector_held` blocks are open in this process now."""
+    """How many holds (:func:`hold`, :func:`collector_held`) are open in this process now."""
     return _holds
+
+
+class CollectorHold:
+    """One open hold of the collector (:func:`hold`); :meth:`release` ends it, once."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self._open = True
+
+    def release(self, *, succeeded: bool = True) -> None:
+        """End this hold (a second call does nothing). If it was taken with ``keep`` and
+        ``succeeded``, the last hold of the process to end freezes every object then alive."""
+        global _holds, _was_enabled, _freeze_when_released
+        with _lock:
+            if not self._open:
+                return
+            self._open = False
+            _holds -= 1
+            _freeze_when_released |= self.keep and succeeded
+            if _holds == 0:
+                if _freeze_when_released:
+                    _freeze_when_released = False
+                    gc.freeze()
+                if _was_enabled:
+                    gc.enable()
+
+
+def hold(*, keep: bool = False) -> CollectorHold:
+    """Hold Python's cyclic collector off until the returned hold is released (see the module
+    docstring); ``keep`` as in :func:`collector_held`."""
+    global _holds, _was_enabled
+    with _lock:
+        if _holds == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _holds += 1
+    return CollectorHold(keep)
 
 
 @contextlib.contextmanager
@@ -57,23 +106,30 @@ def collector_held(*, keep: bool = False) -> Iterator[None]:
     """Run the block with Python's cyclic collector disabled (see the module docstring). ``keep``:
     what the block leaves alive is long-lived (a restore's state); if it ends without an exception,
     the last hold to end freezes every object then alive (``gc.freeze()``)."""
-    global _holds, _was_enabled, _freeze_when_released
-    with _lock:
-        if _holds == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _holds += 1
+    held = hold(keep=keep)
     ok = False
     try:
         yield
         ok = True
     finally:
-        with _lock:
-            _holds -= 1
-            _freeze_when_released |= keep and ok
-            if _holds == 0:
-                if _freeze_when_released:
-                    _freeze_when_released = False
-                    gc.freeze()
-                if _was_enabled:
-                    gc.enable()
+        held.release(succeeded=ok)
+
+
+class HeldWhile:
+    """A hold its owner turns on and off with its own state (a fence: held while a checkpoint is
+    under way). :meth:`set` takes a hold if there is none and ``held``, and releases it if there is
+    one and not ``held``; so repeated calls with the same value change nothing."""
+
+    def __init__(self) -> None:
+        self._hold: CollectorHold | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._hold is not None
+
+    def set(self, held: bool) -> None:
+        if held and self._hold is None:
+            self._hold = hold()
+        elif not held and self._hold is not None:
+            self._hold, open_hold = None, self._hold
+            open_hold.release()

@@ -12,14 +12,22 @@ A fenced operation is keyed by ``(checkpoint_id, operation)``:
   resume result still replays, any other operation with it is 409 ``stale_checkpoint``.
 
 Deadlines are never refused on entry; :func:`time_left` clamps at 0.
+
+While the phase is not ``idle`` the fence holds Python's cyclic collector off
+(:class:`gymkit.collector.HeldWhile`): a full collection in a pause walks the whole heap on the
+pause's critical path. The hold ends when the phase is ``idle`` again, or when the fence itself is
+dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+
+from gymkit.collector import HeldWhile
 
 T = TypeVar("T")
 
@@ -55,6 +63,10 @@ class Fence:
         self._lock = asyncio.Lock()
         self._changed: asyncio.Event = asyncio.Event()
         self.listeners: list[Callable[[str], None]] = []  # told of every phase change (admission follows it)
+        self.collector = HeldWhile()  # held while the phase is not idle (module docstring)
+        # A fence dropped in mid-checkpoint (its server gone) must not hold the process's collector
+        # forever; the finalizer refers to the hold, not to the fence.
+        weakref.finalize(self, self.collector.set, False)
 
     # -- inspection ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -81,6 +93,7 @@ class Fence:
         """Move the machine (used by the route families for transitions outside :meth:`run`, such as
         the model's ``preparing -> prepared`` once admission is paused)."""
         self.phase, self.active_checkpoint_id = phase, checkpoint_id
+        self.collector.set(phase != "idle")
         if checkpoint_id is None:
             self.deadline_ts = None
         elif deadline_ts is not None:

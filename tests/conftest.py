@@ -21,6 +21,8 @@ from worker_groups import xdist_groups
 from devtools import s3servers
 from devtools.gym_forkserver import ForkServer
 from devtools.gym_procs import REPO_ROOT
+from gymkit import collector
+from gymkit.fence import Fence
 
 _bucket_ids = itertools.count()
 
@@ -32,12 +34,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def collector_unfrozen() -> Iterator[None]:
-    """A restore run in the test process freezes every object then alive (``gymkit.collector``);
-    after each test they go back to the collector, so no test's reference cycles outlive the session."""
+def collector_released() -> Iterator[None]:
+    """A participant mid-checkpoint holds Python's collector off in the test process (its fence), and
+    a restore freezes every object then alive (``gymkit.collector``). After each test, the fences it
+    left mid-checkpoint end their holds (FastAPI's caches keep a dropped app's routes, and so its
+    fence, alive), no other hold may be left open, and frozen objects go back to the collector, so
+    no test's reference cycles outlive it."""
     yield
+    if collector.holds():
+        for fence in [o for o in gc.get_objects() if isinstance(o, Fence)]:
+            fence.collector.set(False)
+    left = collector.holds()
     if gc.get_freeze_count():
         gc.unfreeze()
+    assert left == 0, f"the test left {left} collector hold(s) open outside any fence"
 
 
 @pytest.fixture(scope="session")

@@ -524,10 +524,13 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypat
             runs = await park_all(s, c, "save-1", {"rollout-a": 1, "rollout-b": 2})
             r = await c.post(f"{P}/commit", json=body("save-1", checkpoint_dir=str(ckdir)), headers=AUTH)
             committed = r.json()
+            # The commit (on a worker thread) ran with the cyclic collector held off; the fence holds it
+            # off until the resume, and a commit freezes nothing.
+            assert commits_collector_on == [False] and not gc.isenabled()
+            assert (await c.post(f"{P}/resume", json=body("save-1"), headers=AUTH)).status_code == 200
+            assert gc.isenabled() and gc.get_freeze_count() == 0
             for t in runs:
                 t.cancel()
-        # The commit (on a worker thread) ran with the cyclic collector held off, and got it back after.
-        assert commits_collector_on == [False] and gc.isenabled() and gc.get_freeze_count() == 0
         # a fresh process restores
         s = Server()
         async with serving(s) as c:
@@ -538,8 +541,9 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypat
             assert r.json() == {"records": 2, "source_checkpoint_id": "save-1",
                                 "continuation_index": committed["continuation_index"]}
             assert s.agent.events == [("restore", [("rollout-a", 0), ("rollout-b", 0)])]
-            assert s.agent.collector_on == [False] and gc.isenabled()
-            assert gc.get_freeze_count() > 0  # what the restore left alive is frozen (gymkit.collector)
+            # The restore ran with the collector held off, and the fence holds it off until the resume,
+            # which freezes what the restore left alive (gymkit.collector).
+            assert s.agent.collector_on == [False] and not gc.isenabled() and gc.get_freeze_count() == 0
             assert (s.fence.phase, s.fence.active_checkpoint_id) == ("restored_paused", "restore-1")
             assert (await c.post(f"{P}/restore", json=req, headers=AUTH)).json() == r.json()  # replay
             expect_error(await c.post(f"{P}/restore", json={**req, "checkpoint_id": "restore-2"}, headers=AUTH),
@@ -567,6 +571,7 @@ def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypat
             assert s.agent.events[-1] == ("discard", "rollout-b", 1)
             r = await c.post(f"{P}/resume", json=body("restore-1"), headers=AUTH)
             assert r.json() == {"state": "accepting", "released": 0}
+            assert gc.isenabled() and gc.get_freeze_count() > 0
             expect_error(await c.post(f"{P}/discard-restored-continuation", headers=AUTH, json=body(
                 "restore-1", rollout_id="rollout-b", attempt_index=1)), "stale_checkpoint")
             expect_error(await c.post("/run", json={"rollout_id": "rollout-a", "attempt_index": 0}), "stale_attempt")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gymkit.collector import collector_held, holds
+from gymkit.collector import HeldWhile, collector_held, hold, holds
 
 
 @pytest.fixture(autouse=True)
@@ -125,3 +125,26 @@ def test_a_process_that_turned_it_off_still_freezes_a_kept_block() -> None:
     with collector_held(keep=True):
         restored = State()
     assert frozen(restored) and not gc.isenabled()
+
+
+def test_a_hold_ends_once_however_often_it_is_released() -> None:
+    first, second = hold(), hold()
+    assert holds() == 2 and not gc.isenabled()
+    first.release()
+    first.release()  # a second release of the same hold ends nothing more
+    assert holds() == 1 and not gc.isenabled()
+    second.release()
+    assert holds() == 0 and gc.isenabled()
+
+
+def test_held_while_follows_its_owners_state() -> None:
+    state = HeldWhile()
+    state.set(True)
+    state.set(True)  # already held: no second hold
+    assert state.held and holds() == 1 and not gc.isenabled()
+    with collector_held(keep=True):  # a restore inside the owner's hold
+        restored = State()
+    assert not frozen(restored) and not gc.isenabled()  # the freeze waits for the owner's hold
+    state.set(False)
+    state.set(False)
+    assert not state.held and holds() == 0 and gc.isenabled() and frozen(restored)

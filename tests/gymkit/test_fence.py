@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from gymkit.collector import holds
 from gymkit.fence import ControlError, Fence, time_left
 
 
@@ -236,4 +239,47 @@ def test_an_operation_that_keeps_the_phase_does_not_revive_a_retired_id() -> Non
         await keep
         assert fence.snapshot() == {"phase": "idle", "active_checkpoint_id": None, "deadline_ts": None}
         await pause(fence, "c2", Op())  # else every new id is a checkpoint_conflict from now on
+    run(scenario)
+
+
+def test_the_collector_is_held_off_while_a_checkpoint_is_under_way() -> None:
+    async def scenario() -> None:
+        fence = Fence()
+        assert gc.isenabled() and holds() == 0
+        await pause(fence, "c1", Op())
+        assert not gc.isenabled() and holds() == 1  # prepared
+        await commit(fence, "c1", Op())
+        assert not gc.isenabled() and holds() == 1  # one hold for the whole checkpoint
+        await resume(fence, "c1", Op())
+        assert gc.isenabled() and holds() == 0
+        # A prepare that fails from idle leaves nothing held.
+        failing = Op()
+        failing.fail = ControlError("agent_prepare_incomplete", "blocked")
+        with pytest.raises(ControlError):
+            await pause(fence, "c2", failing)
+        assert gc.isenabled() and holds() == 0
+    run(scenario)
+
+
+def test_two_fences_of_one_process_hold_until_both_are_idle() -> None:
+    async def scenario() -> None:
+        a, b = Fence(), Fence()  # two servers hosted in one process
+        await pause(a, "c1", Op())
+        await pause(b, "c1", Op())
+        await resume(a, "c1", Op())
+        assert not gc.isenabled() and holds() == 1  # b still paused
+        await resume(b, "c1", Op())
+        assert gc.isenabled() and holds() == 0
+    run(scenario)
+
+
+def test_a_fence_dropped_mid_checkpoint_ends_its_hold() -> None:
+    async def scenario() -> None:
+        fence = Fence()
+        await pause(fence, "c1", Op())
+        assert holds() == 1
+        ref = weakref.ref(fence)
+        del fence
+        gc.collect()  # a collection asked for runs while the collector is held off
+        assert ref() is None and holds() == 0 and gc.isenabled()
     run(scenario)

@@ -343,8 +343,9 @@ async def test_commit_resume_replay_and_retirement(server: Server, client: httpx
         assert reply["manifest_digest"] == hashlib.sha256(manifest).hexdigest()
         (ctx,) = server.ledger.commits
         assert ctx.checkpoint_id == "ckpt-1" and ctx.checkpoint_dir == tmp
-        # The participant committed with the cyclic collector held off, and got it back after.
-        assert server.ledger.collector_on == [False] and gc.isenabled()
+        # The participant committed with the cyclic collector held off; the fence holds it off until
+        # the resume.
+        assert server.ledger.collector_on == [False] and not gc.isenabled()
         assert ctx.continuation_indexes == (ArtifactRef(relative_path="agent/instance-x/continuations.jsonl",
                                                         sha256=EMPTY_SHA, records=0, bytes=0),)
         assert server.fence.phase == "committed_paused" and server.admission.state == "paused"
@@ -358,6 +359,7 @@ async def test_commit_resume_replay_and_retirement(server: Server, client: httpx
         assert resumed.content == b'{"state":"accepting","workers":{"acknowledged":1,"expected":1},' \
                                   b'"released_waiters":0}'
         assert server.admission.state == "accepting" and server.ledger.resumes == 1
+        assert gc.isenabled() and gc.get_freeze_count() == 0  # a commit freezes nothing
         assert (await caps(client))["phase"] == "idle" and (await caps(client))["active_checkpoint_id"] is None
         running = model_call(client, "rollout-a")  # admitted again
         await until(lambda: server.admission.inflight_total == 1)
@@ -501,8 +503,9 @@ async def test_restore_closes_admission_and_fences_saved_attempts(server: Server
     assert reply["source_attempts"] == [{"rollout_id": "rollout-a", "attempt_index": 0}]
     assert server.ledger.restores[0].checkpoint_dir == "/ckpt/dir"
     assert server.fence.phase == "restored_paused" and server.admission.state == "paused"
-    assert server.ledger.collector_on == [False] and gc.isenabled()  # held off in the restore only
-    assert gc.get_freeze_count() > 0  # and what it left alive is frozen (gymkit.collector)
+    # Held off in the restore, and by the fence until the resume, which freezes what the restore left
+    # alive (gymkit.collector).
+    assert server.ledger.collector_on == [False] and not gc.isenabled() and gc.get_freeze_count() == 0
     assert (await call(client, RESTORE, body)).content == first.content and len(server.ledger.restores) == 1
     r = await model_call(client, "rollout-b")
     assert r.json()["error"]["code"] == "checkpoint_parked"
@@ -513,6 +516,7 @@ async def test_restore_closes_admission_and_fences_saved_attempts(server: Server
                                 {"rollout_id": "rollout-a", "attempt_index": 0}]
 
     await ok(client, RESUME, ctl("restore-1"))
+    assert gc.isenabled() and gc.get_freeze_count() > 0
     for rid in ("gone", "rollout-a"):  # the saved tombstones and the source attempts never run again
         r = await model_call(client, rid, 0)
         assert r.json()["error"]["code"] == "stale_attempt" and r.headers["retry-after"] == "1"

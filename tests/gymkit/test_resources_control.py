@@ -497,8 +497,9 @@ def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path, mo
             assert r.status_code == 200 and r.json() == {"sessions": 2, "source_checkpoint_id": "save-1"}
             assert (await c.post(f"{P}/restore", json=req, headers=AUTH)).json() == r.json()  # replay
             assert s.toy.events == [("import", [("a", 1), ("b", 1)])]
-            assert s.toy.collector_on == [False] and gc.isenabled()
-            assert gc.get_freeze_count() > 0  # what the restore left alive is frozen (gymkit.collector)
+            # Held off in the restore, and by the fence until the resume, which freezes what the restore
+            # left alive (gymkit.collector).
+            assert s.toy.collector_on == [False] and not gc.isenabled() and gc.get_freeze_count() == 0
             assert (s.fence.phase, s.fence.active_checkpoint_id) == ("restored_paused", "restore-1")
             assert s.sessions.bound() == [("a", 1), ("b", 1)]
             assert (s.sessions.revision("a", 1), s.sessions.revision("b", 1)) == (3, 2)
@@ -508,6 +509,7 @@ def test_restore_in_a_fresh_process_continues_as_next_attempt(tmp_path: Path, mo
             expect_error(await c.post(f"{P}/retire", json=body("restore-1", rollout_id="a", attempt_index=1),
                                       headers=AUTH), "invalid_phase")
             assert (await c.post(f"{P}/resume", json=body("restore-1"), headers=AUTH)).json() == {"state": "accepting"}
+            assert gc.isenabled() and gc.get_freeze_count() > 0
             # the source attempt is stale; a request id from before replays its old answer on attempt 1 (§13)
             expect_data_error(await note(c, "a", 4, "a-2", expected=2), "stale_attempt")
             old = await note(c, "a", 4, "a-2", expected=2, n=1)
