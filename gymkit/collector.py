@@ -18,13 +18,14 @@ A restore leaves the whole restored state alive, and those collections would wal
 times, in the resume that follows (at 100,000 rollouts: 1.04 s against 0.22 s without the hold, one
 run each). So a restore holds with ``keep=True``: what it leaves alive is the process's long-lived
 state, and when the last hold ends after a kept block succeeded (with the fence's hold below: at the
-resume), ``gc.freeze()`` moves every object then alive into Python's permanent generation, which no collection walks again, neither in the
-resume nor in any full collection of the run after it. The reference model's restore of 100,000
-rollouts in a fresh process, then 300,000 objects that live on: ``python -m benchmarks.scale_bench
---model-restore 100000`` (``benchmarks/results/scale_freeze.md``). Reference counting still frees a
-frozen object once it is dropped. The cost: a reference cycle among the objects alive at the freeze
-is never collected. A restore is rare (Gym's participants restore when idle, the resources servers
-only in a fresh process), so that is bounded by the cycles alive at a few moments of a run.
+resume), ``gc.freeze()`` moves every object then alive into Python's permanent generation, which no
+collection walks again, neither in the resume nor in any full collection of the run after it. The
+reference model's restore of 100,000 rollouts in a fresh process, then 300,000 objects that live on:
+``python -m benchmarks.scale_bench --model-restore 100000`` (``benchmarks/results/scale_freeze.md``).
+Reference counting still frees a frozen object once it is dropped. The cost: a reference cycle among
+the objects alive at the freeze is never collected. A restore is rare (Gym's participants restore
+when idle, the resources servers only in a fresh process), so that is bounded by the cycles alive at
+a few moments of a run.
 
 The collector is the process's, so the hold is too: holds nest and overlap (several servers in one
 process, a commit on a worker thread), and the collector is enabled again when the last one ends,
@@ -37,11 +38,12 @@ is frozen.
 leaves no checkpoint active): :class:`HeldWhile`, which :class:`gymkit.fence.Fence` owns. Every
 participant of a pause is on the pause's critical path, and a full collection there walks the
 whole heap to find next to nothing: at 10 agent servers and 10,000 parked rollouts, every host
-process ran one right after the commit step, 0.08-0.25 CPU-seconds each (a few thousand objects
-collected), inside the resume that ends the pause (``benchmarks/results/scale_pause_hold.md``).
-Held, those collections run once the last participant of the process has resumed, while the
-rollouts run again. What waits meanwhile is the pause's cyclic garbage, bounded by the work a
-pause does (the turns in flight finishing, the commit, the resume's replies).
+process ran one in each pause (most of them just after the commit step, the others in the prepare),
+0.08-0.25 CPU-seconds each, a few thousand objects collected. Held, those collections run once the
+last participant of the process has resumed, while the rollouts run again: the prepare took 0.86x
+at 10,000 rollouts, and at 100,000 (50 servers per host process) the resume 5.04 -> 1.89 s
+(``benchmarks/results/scale_pause_hold.md``). What waits meanwhile is the pause's cyclic garbage,
+bounded by the work a pause does (the turns in flight finishing, the commit, the resume's replies).
 """
 
 from __future__ import annotations
