@@ -76,7 +76,7 @@ class CollectorHold:
     def release(self, *, succeeded: bool = True) -> None:
         """End this hold (a second call does nothing). If it was taken with ``keep`` and
         ``succeeded``, the last hold of the process to end freezes every object then alive."""
-        global _holds, _was_enabled, _freeze_when_released
+        global _holds, _freeze_when_released
         with _lock:
             if not self._open:
                 return
