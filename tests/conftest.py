@@ -41,13 +41,12 @@ def collector_released() -> Iterator[None]:
     fence, alive), no other hold may be left open, and frozen objects go back to the collector, so
     no test's reference cycles outlive it."""
     yield
+    if gc.get_freeze_count():
+        gc.unfreeze()  # first: gc.get_objects() does not list frozen objects, a fence among them
     if collector.holds():
         for fence in [o for o in gc.get_objects() if isinstance(o, Fence)]:
             fence.collector.set(False)
-    left = collector.holds()
-    if gc.get_freeze_count():
-        gc.unfreeze()
-    assert left == 0, f"the test left {left} collector hold(s) open outside any fence"
+    assert collector.holds() == 0, f"the test left {collector.holds()} collector hold(s) open outside any fence"
 
 
 @pytest.fixture(scope="session")
