@@ -791,9 +791,9 @@ def agent_router(participant: AgentParticipant, executions: AgentExecutions, fen
     async def commit(req: CheckpointDirRequest) -> AgentCommitResponse:
         async def run() -> AgentCommitResponse:
             records = executions.records_for_commit()
-            with collector_held():
-                return await asyncio.to_thread(commit_agent_checkpoint, req.checkpoint_dir, req.checkpoint_id,
-                                               instance_name(), records)
+            # The fence holds the collector off while the phase is "committing" (gymkit.collector).
+            return await asyncio.to_thread(commit_agent_checkpoint, req.checkpoint_dir, req.checkpoint_id,
+                                           instance_name(), records)
 
         return await fence.run(req.checkpoint_id, "agent-checkpoint/commit", run, allowed=COMMIT_PHASES,
                                entering="committing", success="committed_paused")

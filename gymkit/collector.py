@@ -1,5 +1,9 @@
-"""Python's cyclic garbage collector, held off while a participant commits or restores, and while
-a checkpoint is under way.
+"""Python's cyclic garbage collector, held off while a checkpoint is under way.
+
+Each participant's fence holds it from the moment the participant leaves ``idle`` until it is
+``idle`` again (**A whole checkpoint**, below), so every commit and restore runs inside that hold;
+a restore adds a kept hold of its own (``collector_held(keep=True)``) to freeze what it leaves
+alive. Why, step by step:
 
 A commit or a restore allocates objects per rollout (records, rows, digests, file names) in a process
 whose heap already holds every rollout's state. Once enough of them survive a young collection,
@@ -124,10 +128,6 @@ class HeldWhile:
 
     def __init__(self) -> None:
         self._hold: CollectorHold | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._hold is not None
 
     def set(self, held: bool) -> None:
         if held and self._hold is None:

@@ -373,10 +373,10 @@ def model_router(participant: ModelParticipant, admission: ModelAdmission, fence
                 raise ControlError("ledger_not_quiescent", f"model admission is {admission.state} with "
                                                            f"{admission.inflight_total} call(s) in flight")
             _usable_dir(req.checkpoint_dir)
-            with collector_held():
-                return await participant.commit(ModelCommitContext(
-                    checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir,
-                    continuation_indexes=tuple(req.continuation_indexes)))
+            # The fence holds the collector off while the phase is "committing" (gymkit.collector).
+            return await participant.commit(ModelCommitContext(
+                checkpoint_id=req.checkpoint_id, deadline_ts=req.deadline_ts, checkpoint_dir=req.checkpoint_dir,
+                continuation_indexes=tuple(req.continuation_indexes)))
 
         return await fence.run(req.checkpoint_id, COMMIT, write, allowed=("prepared",), entering="committing",
                                success="committed_paused", deadline_ts=req.deadline_ts)

@@ -683,9 +683,9 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
         async def run() -> ResourcesCommitResponse:
             snapshots = sessions.prepared_snapshots()
             await participant.before_commit()
-            with collector_held():
-                return await asyncio.to_thread(commit_resources_checkpoint, req.checkpoint_dir, req.checkpoint_id,
-                                               server_name(), snapshots)
+            # The fence holds the collector off while the phase is "committing" (gymkit.collector).
+            return await asyncio.to_thread(commit_resources_checkpoint, req.checkpoint_dir, req.checkpoint_id,
+                                           server_name(), snapshots)
 
         return await fence.run(req.checkpoint_id, "resources-checkpoint/commit", run, allowed=COMMIT_PHASES,
                                entering="committing", success="committed_paused")
