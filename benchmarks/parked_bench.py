@@ -135,7 +135,7 @@ def lineage_calls(i: int, model: str) -> list[Any]:
         entry = ModelLedgerEntry(rollout_id=rid, attempt_index=n, capture_key=key, model_call_id=f"call-{t}",
                                  parent_call_id=parent, turn_index=t, model=model,
                                  created_at=1_700_000_000.0 + i + t)
-        calls.append(Call(entry=entry, token=token))
+        calls.append(Call.answered(entry, token))
         prompt = cumulative + _tokens(i, t, 4, 2)  # the next prompt: the conversation plus a tool result
     return calls
 
@@ -187,7 +187,7 @@ def validate_sample(n: int, servers: int, sample: int = 64) -> int:
     checked = 0
     for i in list(server_range(n, servers, 0))[:sample]:
         for call in lineage_calls(i, "policy0"):
-            token = TokenEntry.model_validate(call.token)
+            token = TokenEntry.model_validate(call.fields())
             if token.digest != compute_digest(cumulative_tokens(token)):
                 raise AssertionError(f"rollout {i}: Gym computes another digest for {call.entry.model_call_id}")
             checked += 1

@@ -66,27 +66,38 @@ UNRESOLVED_PARENT_REASON = "unresolved_parent"
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True):
-    """One recorded model call: its ledger entry and its token record (Gym's TokenEntry JSON).
+    """One recorded model call: its ledger entry and its token record (Gym's TokenEntry) as the
+    JSON object's bytes, which a lineage row carries as they are.
 
-    ``token`` is the record as a dict for a call this server answered, or, for a call a restore
-    loaded, the JSON object's bytes from the lineage file (:meth:`fields` decodes them when asked).
-    Encoded, both give the same row: a restored call is written back byte for byte."""
+    A call this server answers is encoded once, when it is recorded (:meth:`answered`); a call a
+    restore loaded keeps the bytes of its lineage row. Either way a commit copies the bytes instead
+    of encoding the record again: a lineage holds every call of its rollout so far, so encoding at
+    each commit made every commit re-encode the whole history, and in the pause (the model's
+    commit at 10 x 10,000, ``py-spy``: a quarter of it). :meth:`fields` decodes when asked (a
+    replayed call, the demo's views)."""
 
     entry: ModelLedgerEntry
-    token: dict[str, Any] | msgspec.Raw
+    token: msgspec.Raw
+
+    @classmethod
+    def answered(cls, entry: ModelLedgerEntry, token: dict[str, Any]) -> Call:
+        """The call of ``entry`` whose token record is ``token``, encoded as a lineage row writes it."""
+        return cls(entry=entry, token=msgspec.Raw(_token_encoder.encode(token)))
 
     def fields(self) -> dict[str, Any]:
         """The token record as a dict."""
-        if isinstance(self.token, msgspec.Raw):
-            return _token_fields.decode(self.token)
-        return self.token
+        return _token_fields.decode(self.token)
 
     def reply(self, replayed: bool = False) -> ModelReply:
-        t = self.fields()
-        return ModelReply(response_id=t["response_id"], model=t["model"], capture_key=t["rollout_id"],
-                          model_call_id=t["model_call_id"], generation_token_ids=t["generation_token_ids"],
-                          generation_log_probs=t["generation_log_probs"], cum_len=t["cum_len"], digest=t["digest"],
-                          parent_resolution=t["parent_resolution"], replayed=replayed)
+        return reply_of(self.fields(), replayed)
+
+
+def reply_of(t: dict[str, Any], replayed: bool = False) -> ModelReply:
+    """The answer to a model call whose token record is ``t``."""
+    return ModelReply(response_id=t["response_id"], model=t["model"], capture_key=t["rollout_id"],
+                      model_call_id=t["model_call_id"], generation_token_ids=t["generation_token_ids"],
+                      generation_log_probs=t["generation_log_probs"], cum_len=t["cum_len"], digest=t["digest"],
+                      parent_resolution=t["parent_resolution"], replayed=replayed)
 
 
 class _StoredCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -100,6 +111,9 @@ class _StoredCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 _stored_call = msgspec.json.Decoder(_StoredCall)
 _token_fields = msgspec.json.Decoder(dict[str, Any])
+#: Encodes a token record as a lineage row's encoder (``snapformat.gym_dir.jsonl_bytes``) would
+#: inside the row: msgspec's defaults, keys in the dict's order.
+_token_encoder = msgspec.json.Encoder()
 
 
 def _stored_calls(path: Path) -> list[_StoredCall]:
@@ -291,16 +305,15 @@ class RefModel(ModelParticipant):
                 await asyncio.sleep(self.slow_s)
             if (known := self.calls.get((key, req.model_call_id))) is not None:
                 return self._replay(known, req)  # an identical call finished meanwhile
-            call = self._record(req, key)
-            await self._capture(call)  # durable before the answer (Gym's TokenSink contract)
-        return call.reply()
+            token = self._record(req, key)
+            await self._capture(token)  # durable before the answer (Gym's TokenSink contract)
+        return reply_of(token)
 
-    async def _capture(self, call: Call) -> None:
-        """Put the call's TokenEntry into the token store. As in Gym, a capture error never fails the
+    async def _capture(self, token: dict[str, Any]) -> None:
+        """Put a call's TokenEntry into the token store. As in Gym, a capture error never fails the
         model call: the rollout is marked incomplete instead (so a trainer masks it)."""
         if self.token_store is None:
             return
-        token = call.fields()
         key, call_id = token["rollout_id"], token["model_call_id"]
         try:
             await self.token_store.put(token)
@@ -318,9 +331,10 @@ class RefModel(ModelParticipant):
                              "recorded with a different prompt")
         return known.reply(replayed=True)
 
-    def _record(self, req: ModelCall, key: str) -> Call:
+    def _record(self, req: ModelCall, key: str) -> dict[str, Any]:
         """Generate, then stamp the call's lineage as Gym does: a root names no parent; a parent the
-        ledger holds is resolved; one it does not hold is unresolved and, by Gym's rule, not named."""
+        ledger holds is resolved; one it does not hold is unresolved and, by Gym's rule, not named.
+        Records the call in the ledger and returns its token record."""
         gen, log_probs = rules.generate(self.seed, req.prompt_token_ids)
         parent: str | None = None
         reason = ""
@@ -347,9 +361,8 @@ class RefModel(ModelParticipant):
         entry = ModelLedgerEntry(rollout_id=req.rollout_id, attempt_index=req.attempt_index, capture_key=key,
                                  model_call_id=req.model_call_id, parent_call_id=req.parent_call_id,
                                  turn_index=req.turn_index, model=self.model, created_at=now)
-        call = Call(entry=entry, token=token)
-        self.calls[(key, req.model_call_id)] = call
-        return call
+        self.calls[(key, req.model_call_id)] = Call.answered(entry, token)
+        return token
 
     def ledger_view(self) -> list[dict[str, Any]]:
         """The ledger as plain rows (for tests and the demo), in call order per capture key."""

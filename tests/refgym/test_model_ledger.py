@@ -88,6 +88,27 @@ def test_a_restored_call_asked_with_another_prompt_is_refused(tmp_path: Path) ->
     assert "different prompt" in asyncio.run(scenario())
 
 
+def test_a_served_call_is_committed_as_the_bytes_it_was_recorded_as(tmp_path: Path) -> None:
+    """A call is encoded once, when answered: each lineage row carries those bytes verbatim, and they
+    decode to the answer the call gave (its token record, in Gym's field order)."""
+    async def scenario() -> None:
+        model = RefModel(NAME, 7, ModelAdmission())
+        replies = {(i, t): await model.call(_call(i, t)) for i in range(ROLLOUTS) for t in range(TURNS)}
+        await _commit(model, tmp_path, "ck-1")
+        lineages = _lineages(tmp_path)
+        for (i, t), reply in replies.items():
+            held = model.calls[(f"r{i}", f"c{t}")].token
+            assert isinstance(held, msgspec.Raw)
+            row = lineages[f"r{i}.lineage.jsonl"].splitlines()[t]
+            assert row.endswith(b'"token":' + bytes(held) + b"}")
+            token = msgspec.json.decode(held)
+            assert list(token)[:4] == ["schema_version", "rollout_id", "model_call_id", "model"]
+            assert (token["response_id"], token["model_call_id"], token["generation_token_ids"], token["digest"]) == (
+                reply.response_id, reply.model_call_id, reply.generation_token_ids, reply.digest)
+
+    asyncio.run(scenario())
+
+
 _ROW = (b'{"entry":{"rollout_id":"r0","attempt_index":0,"capture_key":"r0","model_call_id":"c0",'
         b'"parent_call_id":null,"turn_index":0,"model":"m","created_at":1.0},"token":{"rollout_id":"r0"}}')
 _LINES = st.one_of(
