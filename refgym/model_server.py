@@ -263,14 +263,16 @@ class RefModel(ModelParticipant):
 
     def _lineage(self, last: Call) -> list[Call]:
         """``last`` and its ancestors through ``parent_call_id`` (an unknown parent ends the walk)."""
-        chain, seen = [last], {last.entry.model_call_id}
+        # Seen by (capture key, call id): a call id is unique within its capture key only, and a
+        # next attempt's calls may reuse its earlier attempt's ids (a walk by id alone stopped there).
+        chain, seen = [last], {(last.entry.capture_key, last.entry.model_call_id)}
         keys = capture_keys_down(last.entry.rollout_id, last.entry.attempt_index)  # a parent's attempt is <= its child's
-        while (parent := chain[-1].entry.parent_call_id) is not None and parent not in seen:
+        while (parent := chain[-1].entry.parent_call_id) is not None:
             found = self._find_in(keys[last.entry.attempt_index - chain[-1].entry.attempt_index:], parent)
-            if found is None:
+            if found is None or (found.entry.capture_key, parent) in seen:
                 break
             chain.append(found)
-            seen.add(parent)
+            seen.add((found.entry.capture_key, parent))
         return chain[::-1]
 
     def _find(self, rollout_id: str, call_id: str, attempt: int) -> Call | None:

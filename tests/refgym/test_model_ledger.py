@@ -10,6 +10,7 @@ replayed call answers exactly as before, and bytes that are not a lineage are re
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -147,3 +148,97 @@ def test_lineage_bytes_restore_or_are_refused_as_ledger_mismatch(tmp_path: Path,
         for (key, _call_id), call in model.calls.items():
             assert key == "r0"
             assert isinstance(call.fields(), dict)  # every token a JSON object
+
+
+# -- lineages over any order of calls -------------------------------------------------------------------------
+#: One step of a rollout's calls: the next call of its chain, a call whose parent is an earlier call
+#: of the chain (a second child), a call naming a parent nobody made, a retried call, or a next
+#: attempt whose first call continues one of the last attempt's calls (its call ids start again at
+#: ``c0``: an id is unique within its capture key only).
+_STEPS = st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["next", "branch", "unresolved", "retry", "attempt"]),
+                            st.integers(0, 50)), min_size=1, max_size=25)
+
+
+async def _serve_steps(model: RefModel, steps: list[tuple[int, str, int]]) -> dict[int, tuple[int, str]]:
+    """Run ``steps`` against ``model``; returns each rollout's latest attempt and a call of it to root at."""
+    made: dict[tuple[int, int], list[ModelCall]] = {}  # (rollout, attempt) -> its calls, in order
+    attempt: dict[int, int] = {}
+    for i, step, pick in steps:
+        n = attempt.setdefault(i, 0)
+        mine = made.setdefault((i, n), [])
+        parent: str | None = mine[-1].model_call_id if mine else None
+        if step == "retry" and mine:
+            await model.call(mine[pick % len(mine)])
+            continue
+        if step == "branch" and mine:
+            parent = mine[pick % len(mine)].model_call_id
+        elif step == "unresolved":
+            parent = "nobody-made-this"
+        elif step == "attempt" and mine:
+            attempt[i] = n = n + 1
+            parent, mine = mine[pick % len(mine)].model_call_id, made.setdefault((i, n), [])
+        key = f"r{i}" if n == 0 else f"r{i}-a{n}"
+        call = ModelCall(rollout_id=f"r{i}", attempt_index=n, capture_key=key, model_call_id=f"c{len(mine)}",
+                         parent_call_id=parent, turn_index=len(mine), prompt_token_ids=[1 + len(mine), 2 + i, pick])
+        await model.call(call)
+        mine.append(call)
+    return {i: (n, made[(i, n)][steps[-1][2] % len(made[(i, n)])].model_call_id)
+            for i, n in attempt.items() if made.get((i, n))}
+
+
+async def _commit_roots(model: RefModel, folder: Path, roots: dict[int, tuple[int, str]]) -> None:
+    rows = sorted((AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=n, capture_key=f"r{i}" if n == 0 else f"r{i}-a{n}",
+                                         last_committed_model_call_id=call_id, resource_state_revisions={})
+                   for i, (n, call_id) in roots.items()), key=lambda r: (r.capture_key, r.last_committed_model_call_id))
+    index = write_jsonl(folder, "agent/agent0/continuations.jsonl", rows)
+    await model.commit(ModelCommitContext(checkpoint_id="ck", deadline_ts=time.time() + 60,
+                                          checkpoint_dir=str(folder), continuation_indexes=(index,)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=_STEPS)
+def test_any_order_of_calls_commits_lineages_a_restore_reads_back(tmp_path: Path,
+                                                                  steps: list[tuple[int, str, int]]) -> None:
+    """Whatever order of calls, branches, unknown parents, retries and attempts the model saw, each
+    lineage file's ``sha256``, ``rows`` and ``bytes`` in the manifest are those of the file, and a
+    restore reads the folder back."""
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    model = RefModel(NAME, 7, ModelAdmission())
+
+    async def scenario() -> None:
+        roots = await _serve_steps(model, steps)
+        if roots:
+            await _commit_roots(model, folder, roots)
+
+    asyncio.run(scenario())
+    if not (folder / ledger_dir(NAME)).exists():
+        return
+    manifest = msgspec.json.decode((folder / ledger_dir(NAME) / "manifest.json").read_bytes())
+    for key, rollout in manifest["rollouts"].items():
+        (name, digest), = rollout["files"].items()
+        data = (folder / ledger_dir(NAME) / name).read_bytes()
+        assert (digest, rollout["rows"], rollout["bytes"]) == (
+            hashlib.sha256(data).hexdigest(), len(data.splitlines()), len(data)), key
+    restored = RefModel(NAME, 7, ModelAdmission())
+    asyncio.run(restored.restore(ModelRestoreContext(checkpoint_id="rs", deadline_ts=time.time() + 60,
+                                                     checkpoint_dir=str(folder))))
+
+
+def test_a_lineage_follows_its_chain_into_the_attempt_it_continues(tmp_path: Path) -> None:
+    """A next attempt continuing an earlier attempt's last call: the commit writes the earlier
+    attempt's whole chain, though the next attempt's call ids repeat its ids (the walk stopped at
+    the first repeated id when it remembered ids alone)."""
+    steps = [(i, "next", 0) for i in range(2) for _ in range(4)] + [(1, "attempt", 3), (1, "next", 0)]
+    model = RefModel(NAME, 7, ModelAdmission())
+
+    async def scenario() -> None:
+        await _serve_steps(model, steps)
+        await _commit_roots(model, tmp_path, {0: (0, "c3"), 1: (1, "c1")})
+
+    asyncio.run(scenario())
+    lineages = _lineages(tmp_path)
+    assert sorted(lineages) == ["r0.lineage.jsonl", "r1-a1.lineage.jsonl", "r1.lineage.jsonl"]
+    ids = [msgspec.json.decode(row)["entry"]["model_call_id"] for row in lineages["r1.lineage.jsonl"].splitlines()]
+    assert ids == ["c0", "c1", "c2", "c3"]
+    ids = [msgspec.json.decode(row)["entry"]["model_call_id"] for row in lineages["r1-a1.lineage.jsonl"].splitlines()]
+    assert ids == ["c0", "c1"]
