@@ -201,7 +201,7 @@ def test_any_order_of_calls_commits_lineages_a_restore_reads_back(tmp_path: Path
                                                                   steps: list[tuple[int, str, int]]) -> None:
     """Whatever order of calls, branches, unknown parents, retries and attempts the model saw, each
     lineage file's ``sha256``, ``rows`` and ``bytes`` in the manifest are those of the file, and a
-    restore reads the folder back."""
+    restore reads back the very calls the model served (entries and token bytes)."""
     folder = Path(tempfile.mkdtemp(dir=tmp_path))
     model = RefModel(NAME, 7, ModelAdmission())
 
@@ -222,6 +222,7 @@ def test_any_order_of_calls_commits_lineages_a_restore_reads_back(tmp_path: Path
     restored = RefModel(NAME, 7, ModelAdmission())
     asyncio.run(restored.restore(ModelRestoreContext(checkpoint_id="rs", deadline_ts=time.time() + 60,
                                                      checkpoint_dir=str(folder))))
+    assert restored.calls and all(call == model.calls[key] for key, call in restored.calls.items())
 
 
 def test_a_lineage_follows_its_chain_into_the_attempt_it_continues(tmp_path: Path) -> None:
