@@ -74,6 +74,7 @@ from snapformat.gym_dir import (
     DurableFiles,
     atomic_write,
     check_folder,
+    compact_json,
     continuation_root,
     continuation_roots,
     continuation_roots_sha256,
@@ -96,7 +97,8 @@ from snapformat.gym_dir import (
 from snapformat.tar_archive import read_members, tar_bytes
 
 __all__ = [
-    "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "checkpoint_root", "continuation_roots",
+    "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "checkpoint_root", "compact_json",
+    "continuation_roots",
     "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "iter_resource_dependencies",
     "jsonl_bytes",
     "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_agent_folder", "read_jsonl", "read_ledger_dir",

@@ -31,6 +31,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from gymkit.checkpoint_dir import (
+    compact_json,
     continuation_roots_sha256,
     jsonl_bytes,
     manifest_digest,
@@ -82,7 +83,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def answered(cls, entry: ModelLedgerEntry, token: dict[str, Any]) -> Call:
         """The call of ``entry`` whose token record is ``token``, encoded as a lineage row writes it."""
-        return cls(entry=entry, token=msgspec.Raw(_token_encoder.encode(token)))
+        return cls(entry=entry, token=msgspec.Raw(compact_json(token)))
 
     def fields(self) -> dict[str, Any]:
         """The token record as a dict."""
@@ -111,9 +112,6 @@ class _StoredCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 _stored_call = msgspec.json.Decoder(_StoredCall)
 _token_fields = msgspec.json.Decoder(dict[str, Any])
-#: Encodes a token record as a lineage row's encoder (``snapformat.gym_dir.jsonl_bytes``) would
-#: inside the row: msgspec's defaults, keys in the dict's order.
-_token_encoder = msgspec.json.Encoder()
 
 
 def _stored_calls(path: Path) -> list[_StoredCall]:

@@ -564,6 +564,12 @@ def jsonl_bytes(rows: Iterable[Any]) -> bytes:
     return _encoder.encode_lines(rows)
 
 
+def compact_json(value: Any) -> bytes:
+    """One value as a JSON line of :func:`jsonl_bytes` holds it (compact, fields in declaration order,
+    no newline): the bytes a writer may encode ahead and embed in a row as ``msgspec.Raw``."""
+    return _encoder.encode(value)
+
+
 def document_bytes(value: Any, *, sort_keys: bool, indent: int) -> bytes:
     """A Gym JSON document: ``json.dumps`` of the value with Gym's ``sort_keys`` and ``indent``, no final
     newline. Manifests sort their keys (:func:`manifest_bytes`); a record file (an archive member, a

@@ -228,3 +228,19 @@ def test_a_reference_to_a_json_document_is_refused_even_with_its_line_count(tmp_
         else:
             with pytest.raises(CorruptSnapshotError, match="doc.json: it is not a JSON-lines file"):
                 gym_dir.check_ref(ref, name, facts, tmp_path, "manifest")
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=6), _JSON_VALUES, max_size=5))
+def test_compact_json_is_what_a_row_holds_so_it_embeds_as_raw(value: dict) -> None:
+    """A value encoded ahead (``compact_json``) and embedded as ``msgspec.Raw`` gives the very row
+    ``jsonl_bytes`` writes for the value itself: how the reference model records a call once."""
+    assert gym_dir.compact_json(value) + b"\n" == jsonl_bytes([value])
+    assert jsonl_bytes([{"token": msgspec.Raw(gym_dir.compact_json(value))}]) == jsonl_bytes([{"token": value}])
