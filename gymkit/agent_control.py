@@ -45,7 +45,7 @@ from typing import Any, Literal
 import msgspec
 from fastapi import APIRouter
 
-from gymkit.checkpoint_dir import checkpoint_root, read_agent_folder, write_agent_dir
+from gymkit.checkpoint_dir import checkpoint_root, read_agent_folder, record_json, write_agent_dir
 from gymkit.collector import collector_held
 from gymkit.control_http import AttemptQuery, CheckpointQuery, ControlRoutes, capabilities_route
 from gymkit.fence import ControlError, Fence
@@ -139,6 +139,7 @@ class AgentExecution:
         self.generation = generation
         self.state: ExecutionState = "running"
         self.boundary: AgentBoundaryRecord | None = None
+        self.boundary_json: bytes = b""  # boundary's archive member bytes, encoded when it was recorded
         self.continuation = continuation
         self.result: Any = None
         self.receipt: CompletionReceipt | None = None
@@ -300,7 +301,9 @@ class AgentExecutions:
             raise ControlError("agent_checkpoint_error",
                                f"boundary indices must increase for {_key_text(*ex.key)} "
                                f"({record.boundary_index} after {previous.boundary_index})")
-        ex.boundary = candidate
+        # Encoded now, once: a commit copies these bytes instead of encoding every parked record
+        # (whose trajectory grows with each turn) inside the pause.
+        ex.boundary, ex.boundary_json = candidate, record_json(candidate)
         self._notify()
 
     def should_park(self, rollout_id: str, attempt_index: int) -> bool:
@@ -560,6 +563,12 @@ class AgentExecutions:
         records = [ex.boundary for ex in self._executions.values() if ex.state == "parked" and ex.boundary is not None]
         return sorted(records, key=lambda r: (r.rollout_id, r.attempt_index))  # type: ignore[union-attr]
 
+    def member_json(self, record: AgentBoundaryRecord) -> bytes:
+        """``record``'s archive member bytes (:func:`gymkit.checkpoint_dir.record_json`): those
+        encoded when it was recorded if it is still its execution's boundary, else encoded now."""
+        ex = self._executions.get((record.rollout_id, record.attempt_index))
+        return ex.boundary_json if ex is not None and ex.boundary is record else record_json(record)
+
     def install_restored(self, records: Sequence[AgentBoundaryRecord]) -> None:
         """Restore: each record continues as attempt n+1 (handed to the first ``begin`` of it as
         ``continuation``), its source attempt is tombstoned, admission closes until resume."""
@@ -703,11 +712,13 @@ def read_agent_checkpoint(checkpoint_dir: str, instance_name: str | None
 
 
 def commit_agent_checkpoint(checkpoint_dir: str, checkpoint_id: str, instance_name: str | None,
-                            records: Sequence[AgentBoundaryRecord]) -> AgentCommitResponse:
+                            records: Sequence[AgentBoundaryRecord], *,
+                            encode: Callable[[AgentBoundaryRecord], bytes] = record_json) -> AgentCommitResponse:
     """Write the agent folder (archives, ``agent-index.jsonl``, ``continuations.jsonl``, then
     ``manifest.json``) and answer ``{records, manifest_digest, continuation_index}``. A folder that
     already holds a manifest is validated instead (same checkpoint id and instance) and answered
-    with its digest: a repeated commit writes nothing."""
+    with its digest: a repeated commit writes nothing. ``encode``: each record's member bytes
+    (:meth:`AgentExecutions.member_json` gives those encoded when the boundary was recorded)."""
     try:
         folder = checkpoint_root(checkpoint_dir) / agent_instance_dir(instance_name)
     except InvalidPathError as exc:
@@ -720,7 +731,7 @@ def commit_agent_checkpoint(checkpoint_dir: str, checkpoint_id: str, instance_na
         return AgentCommitResponse(records=len(found), manifest_digest=digest,
                                    continuation_index=manifest.continuation_index)
     try:
-        manifest, digest = write_agent_dir(checkpoint_dir, checkpoint_id, instance_name, records)
+        manifest, digest = write_agent_dir(checkpoint_dir, checkpoint_id, instance_name, records, encode=encode)
     except (SnapshotError, OSError) as exc:
         raise _refused("agent_checkpoint_error", exc) from None
     return AgentCommitResponse(records=manifest.records, manifest_digest=digest,
@@ -793,7 +804,7 @@ def agent_router(participant: AgentParticipant, executions: AgentExecutions, fen
             records = executions.records_for_commit()
             # The fence holds the collector off while the phase is "committing" (gymkit.collector).
             return await asyncio.to_thread(commit_agent_checkpoint, req.checkpoint_dir, req.checkpoint_id,
-                                           instance_name(), records)
+                                           instance_name(), records, encode=executions.member_json)
 
         return await fence.run(req.checkpoint_id, "agent-checkpoint/commit", run, allowed=COMMIT_PHASES,
                                entering="committing", success="committed_paused")

@@ -179,16 +179,19 @@ def _checked_order(records: Iterable[AgentBoundaryRecord]) -> Iterator[AgentBoun
 
 def stream_agent_archives(folder: Path, ordered: Iterable[AgentBoundaryRecord], out: DurableFiles,
                           on_index: Callable[[list[AgentIndexEntry]], None],
-                          on_record: Callable[[AgentBoundaryRecord], None] | None = None) -> list[AgentArchive]:
+                          on_record: Callable[[AgentBoundaryRecord], None] | None = None,
+                          encode: Callable[[AgentBoundaryRecord], bytes] = record_json) -> list[AgentArchive]:
     """The archives of ``ordered`` (already in Gym's order, :func:`in_gym_order`), each written into
     ``out`` once full; ``on_index`` gets each archive's index rows when it is written, ``on_record``
-    each record as it is packed. Returns the archives (for the manifest); stale archives of an
-    earlier commit into ``folder`` are removed."""
+    each record as it is packed. ``encode`` gives a record's member bytes: :func:`record_json`'s,
+    or the same bytes encoded earlier (an agent kit encodes each boundary once, when it is recorded).
+    Returns the archives (for the manifest); stale archives of an earlier commit into ``folder``
+    are removed."""
     archives: list[AgentArchive] = []
     current: list[tuple[AgentBoundaryRecord, str, bytes]] = []
     payload = 0
     for rec in ordered:
-        data = record_json(rec)
+        data = encode(rec)
         if current and (len(current) >= AGENT_ARCHIVE_MAX_MEMBERS or payload + len(data) > AGENT_ARCHIVE_MAX_BYTES):
             on_index(_write_shard(folder, len(archives), current, out, archives))
             current, payload = [], 0
@@ -286,9 +289,11 @@ def manifest_digest(folder: str | os.PathLike[str]) -> str | None:
 # -- whole folders --------------------------------------------------------------------------------------------------
 def write_agent_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, instance_name: str | None,
                     records: Iterable[AgentBoundaryRecord],
-                    roots: Iterable[AgentContinuationRoot] | None = None) -> tuple[AgentManifest, str]:
+                    roots: Iterable[AgentContinuationRoot] | None = None, *,
+                    encode: Callable[[AgentBoundaryRecord], bytes] = record_json) -> tuple[AgentManifest, str]:
     """An agent instance's folder: archives, ``agent-index.jsonl``, ``continuations.jsonl`` (the
     given ``roots``, else :func:`continuation_roots` of the records), then ``manifest.json``.
+    ``encode``: each record's member bytes (see :func:`stream_agent_archives`).
     Returns the manifest and its ``manifest_digest``; the commit reply is
     ``{records, manifest_digest, continuation_index}``."""
     base = agent_instance_dir(instance_name)
@@ -304,7 +309,7 @@ def write_agent_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, 
     # never all held). agent-index.jsonl is written after the archives: its rows name them.
     index: list[AgentIndexEntry] = []
     with DurableFiles() as out:  # every file durable, each folder fsynced once, before the manifest
-        archives = stream_agent_archives(folder, in_gym_order(records), out, index.extend, root_of)
+        archives = stream_agent_archives(folder, in_gym_order(records), out, index.extend, root_of, encode)
         record_index = write_jsonl(checkpoint_dir, f"{base}/{AGENT_INDEX_NAME}", index, out)
         del index
         continuation_index = write_jsonl(checkpoint_dir, f"{base}/{CONTINUATIONS_NAME}",

@@ -514,6 +514,41 @@ def test_commit_writes_gym_files_byte_exact_and_replays(tmp_path: Path) -> None:
     run_async(main)
 
 
+def test_the_commit_copies_each_boundarys_bytes_encoded_when_it_was_recorded(tmp_path: Path, monkeypatch) -> None:
+    """Each boundary is encoded once, when it is recorded: the commit (inside the pause) encodes no
+    record, and its members are those bytes; a record no longer an execution's boundary is encoded
+    afresh."""
+    async def main() -> None:
+        s = Server()
+        async with serving(s) as c:
+            runs = await park_all(s, c, "ck-1", {"a": 2, "b": 1})
+            real = agent_control.record_json
+            encoded: list[AgentBoundaryRecord] = []
+
+            def counting(rec: AgentBoundaryRecord) -> bytes:
+                encoded.append(rec)
+                return real(rec)
+
+            monkeypatch.setattr(agent_control, "record_json", counting)
+            r = await c.post(f"{P}/commit", json=body("ck-1", checkpoint_dir=str(tmp_path / "gym")), headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert encoded == []
+            with tarfile.open(tmp_path / "gym" / INSTANCE / "agent-part-000000.tar") as tf:
+                members = {i.name: tf.extractfile(i).read() for i in tf.getmembers()}  # type: ignore[union-attr]
+            for rid, turn in (("a", 2), ("b", 1)):
+                ex = s.executions.get(rid, 0)
+                assert ex is not None and ex.boundary is not None
+                assert members[f"{rid}.a0.json"] == ex.boundary_json == real(ex.boundary) == expected_member(rid, 0, turn)
+                assert s.executions.member_json(ex.boundary) is ex.boundary_json
+            stale = msgspec.structs.replace(s.executions.get("a", 0).boundary, boundary_index=1)  # type: ignore[arg-type]
+            assert s.executions.member_json(stale) == real(stale) and encoded == [stale]
+            assert (await c.post(f"{P}/resume", json=body("ck-1"), headers=AUTH)).status_code == 200
+            for rid in ("a", "b"):
+                s.agent.allow(rid, 4)
+            assert [(await t).status_code for t in runs] == [200, 200]
+    run_async(main)
+
+
 def test_restore_continues_as_next_attempt_and_discard(tmp_path: Path, monkeypatch) -> None:
     commits_collector_on = collector_state_at_calls(monkeypatch, agent_control, "commit_agent_checkpoint")
 
