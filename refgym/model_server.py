@@ -67,23 +67,28 @@ UNRESOLVED_PARENT_REASON = "unresolved_parent"
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True):
-    """One recorded model call: its ledger entry and its token record (Gym's TokenEntry) as the
-    JSON object's bytes, which a lineage row carries as they are.
+    """One recorded model call: its ledger entry, its lineage row's bytes (``{"entry", "token"}``
+    and a newline), and its token record (Gym's TokenEntry) as a view of the token object's bytes
+    within that row.
 
     A call this server answers is encoded once, when it is recorded (:meth:`answered`); a call a
-    restore loaded keeps the bytes of its lineage row. Either way a commit copies the bytes instead
-    of encoding the record again: a lineage holds every call of its rollout so far, so encoding at
+    restore loaded keeps its lineage file's line. Either way a commit copies the row instead of
+    encoding the record again: a lineage holds every call of its rollout so far, so encoding at
     each commit made every commit re-encode the whole history, and in the pause (the model's
     commit at 10 x 10,000, ``py-spy``: a quarter of it). :meth:`fields` decodes when asked (a
     replayed call, the demo's views)."""
 
     entry: ModelLedgerEntry
     token: msgspec.Raw
+    row: bytes
 
     @classmethod
     def answered(cls, entry: ModelLedgerEntry, token: dict[str, Any]) -> Call:
         """The call of ``entry`` whose token record is ``token``, encoded as a lineage row writes it."""
-        return cls(entry=entry, token=msgspec.Raw(compact_json(token)))
+        encoded = compact_json(token)
+        row = jsonl_bytes([_StoredCall(entry=entry, token=msgspec.Raw(encoded))])
+        end = len(row) - 2  # the row ends with the token object, the row's "}" and "\n"
+        return cls(entry=entry, token=msgspec.Raw(memoryview(row)[end - len(encoded):end]), row=row)
 
     def fields(self) -> dict[str, Any]:
         """The token record as a dict."""
@@ -114,18 +119,57 @@ _stored_call = msgspec.json.Decoder(_StoredCall)
 _token_fields = msgspec.json.Decoder(dict[str, Any])
 
 
-def _stored_calls(path: Path) -> list[_StoredCall]:
-    """The rows of a lineage file (blank lines skipped), each entry checked, each token a JSON object."""
-    try:
-        rows = _stored_call.decode_lines(path.read_bytes())
-    except msgspec.ValidationError as exc:  # the entry's own checks say which field
-        raise InvalidRecordError(f"{path}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRecordError(f"{path}: not JSON lines: {exc}") from None
-    for n, row in enumerate(rows, 1):
-        if memoryview(row.token)[:1] != b"{":
+def _stored_calls(path: Path) -> list[Call]:
+    """The calls of a lineage file's rows (blank lines skipped), each entry checked, each token a JSON
+    object; each call's row is its line as it is (a commit writes it again byte for byte)."""
+    data = path.read_bytes()
+    calls: list[Call] = []
+    start, n = 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end + 1
+        line, start = data[start:end], end
+        if not line.strip():
+            continue
+        if not line.endswith(b"\n"):  # a last line without its newline: a row always ends with one
+            line += b"\n"
+        n += 1
+        try:
+            stored = _stored_call.decode(line)  # the token is a view of ``line``: nothing copied
+        except msgspec.ValidationError as exc:  # the entry's own checks say which field
+            raise InvalidRecordError(f"{path}: row {n}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise InvalidRecordError(f"{path}: row {n}: not JSON lines: {exc}") from None
+        if memoryview(stored.token)[:1] != b"{":
             raise InvalidRecordError(f"{path}: row {n}: token is not a JSON object")
-    return rows
+        calls.append(Call(entry=stored.entry, token=stored.token, row=line))
+    return calls
+
+
+class _KeyCalls:
+    """The calls of one capture key in the order they were recorded (or restored), and whether they
+    form one chain: each call's parent the call before it, turn indexes rising, call ids unique.
+
+    Then the lineage of its k-th call, within this key, is the first k + 1 calls, which a commit
+    takes by position instead of walking ``parent_call_id`` call by call (:meth:`RefModel._prefixes`)."""
+
+    __slots__ = ("calls", "chain", "position")
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.position: dict[str, int] = {}  # model_call_id -> its place in calls
+        self.chain = True
+
+    def add(self, call: Call) -> None:
+        e = call.entry
+        if self.calls:
+            before = self.calls[-1].entry
+            if e.parent_call_id != before.model_call_id or e.turn_index <= before.turn_index:
+                self.chain = False
+        if e.model_call_id in self.position:
+            self.chain = False
+        self.position[e.model_call_id] = len(self.calls)
+        self.calls.append(call)
 
 
 class RefModel(ModelParticipant):
@@ -140,6 +184,7 @@ class RefModel(ModelParticipant):
         self.slow_s = slow_ms / 1000
         self.commit_delay_s = commit_delay_ms / 1000  # test knob: hold a commit open to kill it there
         self.calls: dict[tuple[str, str], Call] = {}  # (capture_key, model_call_id) -> call
+        self._by_key: dict[str, _KeyCalls] = {}  # capture_key -> its calls in order (the same calls)
         self.token_store = token_store  # where each call's TokenEntry is captured, as Gym's TokenSink
 
     # -- the protocol ------------------------------------------------------------------------
@@ -161,27 +206,19 @@ class RefModel(ModelParticipant):
         folder = Path(ctx.checkpoint_dir) / ledger_dir(self.name)
         if (folder / MANIFEST_NAME).exists():  # a commit that finds its own manifest writes nothing
             return self._committed(folder, ctx.checkpoint_id, roots, tombstoned, rooted, len(seen & tombstoned))
-        chains = [self._chain(root) for root in roots]
-        chosen: dict[tuple[str, str], Call] = {}
-        for chain in chains:
-            for call in chain:
-                chosen[(call.entry.capture_key, call.entry.model_call_id)] = call
-        lineages: dict[str, list[Call]] = {}
-        for call in sorted(chosen.values(), key=lambda c: (c.entry.rollout_id, c.entry.attempt_index,
-                                                           c.entry.turn_index)):
-            lineages.setdefault(call.entry.capture_key, []).append(call)
+        lineages = self.lineages(roots)
         if self.commit_delay_s:
             await asyncio.sleep(self.commit_delay_s)
         manifest, digest = write_ledger_dir(
             ctx.checkpoint_dir, ctx.checkpoint_id, self.name,
-            lineages={key: jsonl_bytes(calls) for key, calls in lineages.items()},
+            lineages=((key, b"".join(c.row for c in calls)) for key, calls in lineages.items()),
             storage_references=sorted((ExternalStorageReference(
                 capture_key=r.capture_key, boundary_model_call_id=r.last_committed_model_call_id,
                 key=f"{r.capture_key}/{r.last_committed_model_call_id}") for r in roots), key=lambda e: e.key),
             roots=roots, excluded_inactive=len(seen - rooted - tombstoned),
             tombstones=[AttemptEntry(rollout_id=r, attempt_index=n) for r, n in sorted(tombstoned)],
             source_attempts=[AttemptEntry(rollout_id=r, attempt_index=n) for r, n in sorted(rooted)])
-        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=len(chosen),
+        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=sum(map(len, lineages.values())),
                                    excluded_tombstoned=len(seen & tombstoned), excluded_inactive=manifest.excluded_inactive,
                                    manifest_digest=digest, storage_reference_index=manifest.storage_reference_index)
 
@@ -219,15 +256,17 @@ class RefModel(ModelParticipant):
         try:
             manifest, _refs, lineage = read_ledger_dir(Path(ctx.checkpoint_dir) / ledger_dir(self.name))
             calls: dict[tuple[str, str], Call] = {}
+            by_key: dict[str, _KeyCalls] = {}
             for key, path in lineage.items():
-                for n, stored in enumerate(_stored_calls(path), 1):
-                    if stored.entry.capture_key != key:
-                        raise InvalidRecordError(f"{path}: row {n}: a call of {stored.entry.capture_key!r} in the "
+                for n, call in enumerate(_stored_calls(path), 1):
+                    if call.entry.capture_key != key:
+                        raise InvalidRecordError(f"{path}: row {n}: a call of {call.entry.capture_key!r} in the "
                                                  f"lineage of {key!r}")
-                    calls[(key, stored.entry.model_call_id)] = Call(entry=stored.entry, token=stored.token)
+                    calls[(key, call.entry.model_call_id)] = call
+                    by_key.setdefault(key, _KeyCalls()).add(call)
         except (SnapshotError, OSError, msgspec.DecodeError) as exc:
             raise ControlError("ledger_mismatch", f"{ctx.checkpoint_dir}: {type(exc).__name__}: {exc}") from None
-        self.calls = calls  # swapped in whole: a failed load changes nothing
+        self.calls, self._by_key = calls, by_key  # swapped in whole: a failed load changes nothing
         return ModelRestoreResponse(
             rollouts=len(manifest.rollouts), rows=len(calls), checkpoint_id=manifest.checkpoint_id,
             tombstones=[AttemptRef(rollout_id=t.rollout_id, attempt_index=t.attempt_index) for t in manifest.tombstones],
@@ -248,16 +287,80 @@ class RefModel(ModelParticipant):
                 raise ControlError("ledger_mismatch", f"continuation index {ref.relative_path!r}: {exc}") from None
         return roots
 
-    def _chain(self, root: AgentContinuationRoot) -> list[Call]:
-        """The root's last committed call and its ancestors; a root the ledger cannot back (never
-        served, or its attempt tombstoned) is Gym's ``ledger_mismatch``."""
+    def lineages(self, roots: list[AgentContinuationRoot], *, walk: bool = False) -> dict[str, list[Call]]:
+        """Per capture key, the calls a commit for ``roots`` writes into its lineage file, in file
+        order: every call some root's lineage passes through, by turn index (ties: the order the
+        roots, each from its earliest call, first reach them). A root the ledger cannot back (never
+        served, or its attempt tombstoned) is Gym's ``ledger_mismatch``.
+
+        A root whose lineage runs through keys whose calls each form one chain (:class:`_KeyCalls`)
+        takes a prefix of each key's calls, found by position; only the others are walked call by
+        call (:meth:`_lineage`), and a key a walked lineage reaches is built from every root's calls
+        in it, as the walk alone builds it. ``walk=True`` walks every root: the same result, slower
+        (the tests' oracle)."""
+        taken: list[list[tuple[_KeyCalls, int]] | list[Call]] = []
+        walked_keys: set[str] = set()
+        for root in roots:
+            last = self._last(root)
+            prefixes = None if walk else self._prefixes(last)
+            if prefixes is None:
+                chain = self._lineage(last)
+                walked_keys.update(c.entry.capture_key for c in chain)
+                taken.append(chain)
+            else:
+                taken.append(prefixes)
+        longest: dict[str, tuple[_KeyCalls, int]] = {}  # key -> its calls and how many some root takes
+        mixed: dict[str, dict[str, Call]] = {key: {} for key in walked_keys}  # key -> calls, first reached first
+        for lineage in taken:
+            for item in reversed(lineage) if lineage and isinstance(lineage[0], tuple) else lineage:
+                if isinstance(item, tuple):
+                    kc, n = item
+                    key = kc.calls[0].entry.capture_key
+                    if key in mixed:
+                        for call in kc.calls[:n]:
+                            mixed[key].setdefault(call.entry.model_call_id, call)
+                    elif n > longest.get(key, (kc, 0))[1]:
+                        longest[key] = (kc, n)
+                else:
+                    mixed[item.entry.capture_key].setdefault(item.entry.model_call_id, item)
+        out = {key: kc.calls[:n] for key, (kc, n) in longest.items()}  # a chain's calls rise in turn index
+        out.update((key, sorted(calls.values(), key=lambda c: c.entry.turn_index)) for key, calls in mixed.items())
+        return out
+
+    def _last(self, root: AgentContinuationRoot) -> Call:
+        """The root's last committed call; ``ledger_mismatch`` if its attempt is tombstoned or this
+        server never served that call."""
         if self.admission.tombstoned(root.rollout_id, root.attempt_index):
             raise ControlError("ledger_mismatch", f"continuation root {root.capture_key!r} is tombstoned")
         last = self._find(root.rollout_id, root.last_committed_model_call_id, root.attempt_index)
         if last is None:
             raise ControlError("ledger_mismatch", f"continuation of {root.capture_key!r} names model call "
                                f"{root.last_committed_model_call_id!r}, which this model server never served")
-        return self._lineage(last)
+        return last
+
+    def _prefixes(self, last: Call) -> list[tuple[_KeyCalls, int]] | None:
+        """:meth:`_lineage` of ``last`` as (a key's calls, how many of them), latest attempt first,
+        when every key the walk passes through holds one chain; None when one does not (then only
+        walking finds the lineage)."""
+        keys = capture_keys_down(last.entry.rollout_id, last.entry.attempt_index)
+        prefixes: list[tuple[_KeyCalls, int]] = []
+        call = last
+        while True:
+            kc = self._by_key.get(call.entry.capture_key)
+            at = kc.position.get(call.entry.model_call_id) if kc is not None else None
+            if kc is None or at is None or not kc.chain or kc.calls[at] is not call:
+                return None
+            prefixes.append((kc, at + 1))
+            parent = kc.calls[0].entry.parent_call_id
+            if parent is None:
+                return prefixes
+            if parent in kc.position:  # the walk looks for a parent in its call's own key first
+                return None
+            # then in the earlier attempts' keys, latest first, as _lineage does
+            found = self._find_in(keys[last.entry.attempt_index - call.entry.attempt_index + 1:], parent)
+            if found is None:
+                return prefixes
+            call = found
 
     def _lineage(self, last: Call) -> list[Call]:
         """``last`` and its ancestors through ``parent_call_id`` (an unknown parent ends the walk)."""
@@ -361,7 +464,9 @@ class RefModel(ModelParticipant):
         entry = ModelLedgerEntry(rollout_id=req.rollout_id, attempt_index=req.attempt_index, capture_key=key,
                                  model_call_id=req.model_call_id, parent_call_id=req.parent_call_id,
                                  turn_index=req.turn_index, model=self.model, created_at=now)
-        self.calls[(key, req.model_call_id)] = Call.answered(entry, token)
+        call = Call.answered(entry, token)
+        self.calls[(key, req.model_call_id)] = call
+        self._by_key.setdefault(key, _KeyCalls()).add(call)
         return token
 
     def ledger_view(self) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import hashlib
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -155,7 +156,8 @@ def test_lineage_bytes_restore_or_are_refused_as_ledger_mismatch(tmp_path: Path,
 #: of the chain (a second child), a call naming a parent nobody made, a retried call, or a next
 #: attempt whose first call continues one of the last attempt's calls (its call ids start again at
 #: ``c0``: an id is unique within its capture key only).
-_STEPS = st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["next", "branch", "unresolved", "retry", "attempt"]),
+_STEPS = st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["next", "branch", "unresolved", "retry", "attempt",
+                                                                    "odd_turn"]),
                             st.integers(0, 50)), min_size=1, max_size=25)
 
 
@@ -179,18 +181,26 @@ async def _serve_steps(model: RefModel, steps: list[tuple[int, str, int]]) -> di
             parent, mine = mine[pick % len(mine)].model_call_id, made.setdefault((i, n), [])
         key = f"r{i}" if n == 0 else f"r{i}-a{n}"
         call = ModelCall(rollout_id=f"r{i}", attempt_index=n, capture_key=key, model_call_id=f"c{len(mine)}",
-                         parent_call_id=parent, turn_index=len(mine), prompt_token_ids=[1 + len(mine), 2 + i, pick])
+                         parent_call_id=parent, turn_index=pick % 3 if step == "odd_turn" else len(mine),
+                         prompt_token_ids=[1 + len(mine), 2 + i, pick])
         await model.call(call)
         mine.append(call)
     return {i: (n, made[(i, n)][steps[-1][2] % len(made[(i, n)])].model_call_id)
             for i, n in attempt.items() if made.get((i, n))}
 
 
-async def _commit_roots(model: RefModel, folder: Path, roots: dict[int, tuple[int, str]]) -> None:
-    rows = sorted((AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=n, capture_key=f"r{i}" if n == 0 else f"r{i}-a{n}",
+def _root_rows(roots: dict[int, tuple[int, str]]) -> list[AgentContinuationRoot]:
+    return sorted((AgentContinuationRoot(rollout_id=f"r{i}", attempt_index=n, capture_key=f"r{i}" if n == 0 else f"r{i}-a{n}",
                                          last_committed_model_call_id=call_id, resource_state_revisions={})
                    for i, (n, call_id) in roots.items()), key=lambda r: (r.capture_key, r.last_committed_model_call_id))
-    index = write_jsonl(folder, "agent/agent0/continuations.jsonl", rows)
+
+
+def _rows_of(lineages: dict[str, list[Any]]) -> dict[str, list[bytes]]:
+    return {key: [c.row for c in calls] for key, calls in lineages.items()}
+
+
+async def _commit_roots(model: RefModel, folder: Path, roots: dict[int, tuple[int, str]]) -> None:
+    index = write_jsonl(folder, "agent/agent0/continuations.jsonl", _root_rows(roots))
     await model.commit(ModelCommitContext(checkpoint_id="ck", deadline_ts=time.time() + 60,
                                           checkpoint_dir=str(folder), continuation_indexes=(index,)))
 
@@ -199,15 +209,18 @@ async def _commit_roots(model: RefModel, folder: Path, roots: dict[int, tuple[in
 @given(steps=_STEPS)
 def test_any_order_of_calls_commits_lineages_a_restore_reads_back(tmp_path: Path,
                                                                   steps: list[tuple[int, str, int]]) -> None:
-    """Whatever order of calls, branches, unknown parents, retries and attempts the model saw, each
-    lineage file's ``sha256``, ``rows`` and ``bytes`` in the manifest are those of the file, and a
-    restore reads back the very calls the model served (entries and token bytes)."""
+    """Whatever order of calls, branches, unknown parents, retries and attempts the model saw, the
+    lineages taken by position where keys hold one chain are those a walk of every root finds;
+    each lineage file's ``sha256``, ``rows`` and ``bytes`` in the manifest are those of the file,
+    and a restore reads back the very calls the model served (entries and token bytes)."""
     folder = Path(tempfile.mkdtemp(dir=tmp_path))
     model = RefModel(NAME, 7, ModelAdmission())
 
     async def scenario() -> None:
         roots = await _serve_steps(model, steps)
         assert roots  # the first step always makes a call
+        rows = _root_rows(roots)
+        assert _rows_of(model.lineages(rows)) == _rows_of(model.lineages(rows, walk=True))
         await _commit_roots(model, folder, roots)
 
     asyncio.run(scenario())
@@ -241,3 +254,54 @@ def test_a_lineage_follows_its_chain_into_the_attempt_it_continues(tmp_path: Pat
     assert ids == ["c0", "c1", "c2", "c3"]
     ids = [msgspec.json.decode(row)["entry"]["model_call_id"] for row in lineages["r1-a1.lineage.jsonl"].splitlines()]
     assert ids == ["c0", "c1"]
+
+
+def test_chained_lineages_are_taken_by_position_also_across_a_restored_attempt(tmp_path: Path, monkeypatch) -> None:
+    """Rollouts whose calls each form one chain, one of them continued as attempt 1 on a restored
+    model: the commit takes every lineage by position (no call-by-call walk), and writes what the
+    walk writes."""
+    steps = [(i, "next", 0) for i in range(3) for _ in range(3)]
+    model = RefModel(NAME, 7, ModelAdmission())
+    restored = RefModel(NAME, 7, ModelAdmission())
+    walks: list[str] = []
+    walk = RefModel._lineage
+
+    def counted(self: RefModel, last: Any) -> Any:
+        walks.append(last.entry.capture_key)
+        return walk(self, last)
+
+    async def scenario() -> None:
+        await _serve_steps(model, steps)
+        await _commit_roots(model, tmp_path / "first", {i: (0, "c2") for i in range(3)})
+        await restored.restore(ModelRestoreContext(checkpoint_id="rs", deadline_ts=time.time() + 60,
+                                                   checkpoint_dir=str(tmp_path / "first")))
+        for t in range(2):  # attempt 1 of r1 continues after its c2
+            await restored.call(ModelCall(rollout_id="r1", attempt_index=1, capture_key="r1-a1", model_call_id=f"c{3 + t}",
+                                          parent_call_id=f"c{2 + t}", turn_index=3 + t, prompt_token_ids=[5, t]))
+        monkeypatch.setattr(RefModel, "_lineage", counted)
+        await _commit_roots(restored, tmp_path / "again", {0: (0, "c1"), 1: (1, "c4"), 2: (0, "c2")})
+        assert walks == []
+        rows = _root_rows({0: (0, "c1"), 1: (1, "c4"), 2: (0, "c2")})
+        assert _rows_of(restored.lineages(rows)) == _rows_of(restored.lineages(rows, walk=True))
+        assert len(walks) == 3  # the oracle walked
+
+    asyncio.run(scenario())
+    first, again = _lineages(tmp_path / "first"), _lineages(tmp_path / "again")
+    assert again["r1.lineage.jsonl"] == first["r1.lineage.jsonl"]  # attempt 0's whole chain, as restored
+    assert again["r0.lineage.jsonl"] == b"".join(first["r0.lineage.jsonl"].splitlines(keepends=True)[:2])
+    assert [msgspec.json.decode(row)["entry"]["model_call_id"] for row in again["r1-a1.lineage.jsonl"].splitlines()] == [
+        "c3", "c4"]
+
+
+def test_a_restored_lineage_line_without_its_newline_is_committed_with_one(tmp_path: Path) -> None:
+    data = _ROW + b"\n" + _ROW.replace(b'"c0"', b'"c1"').replace(b'"parent_call_id":null', b'"parent_call_id":"c0"')
+    write_ledger_dir(tmp_path / "first", "ck-1", NAME, lineages={"r0": data}, storage_references=[], roots=[])
+    model = RefModel(NAME, 7, ModelAdmission())
+
+    async def scenario() -> None:
+        await model.restore(ModelRestoreContext(checkpoint_id="rs", deadline_ts=time.time() + 60,
+                                                checkpoint_dir=str(tmp_path / "first")))
+        await _commit_roots(model, tmp_path / "again", {0: (0, "c1")})
+
+    asyncio.run(scenario())
+    assert _lineages(tmp_path / "again") == {"r0.lineage.jsonl": data + b"\n"}
