@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,6 +61,7 @@ from schemas.gym_files import (
     ExternalStorageReference,
     LedgerManifest,
     LedgerRollout,
+    MutationReceipt,
     ResourcesManifest,
     ResourceSnapshot,
     agent_archive_name,
@@ -81,10 +82,12 @@ from snapformat.gym_dir import (
     decode_rows,
     decode_strict,
     document_bytes,
+    document_bytes_spliced,
     folder_of,
     jsonl_bytes,
     load_manifest,
     manifest_bytes,
+    nested_document_bytes,
     non_blank_lines,
     read_ref_rows,
     read_tar_members,
@@ -102,7 +105,7 @@ __all__ = [
     "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "iter_resource_dependencies",
     "jsonl_bytes",
     "manifest_bytes", "manifest_digest", "read_agent_archives", "read_agent_dir", "read_agent_folder", "read_jsonl", "read_ledger_dir",
-    "read_resources_dir", "record_json", "stream_agent_archives", "write_agent_archives", "write_agent_dir",
+    "read_resources_dir", "receipt_json", "record_json", "session_json", "stream_agent_archives", "write_agent_archives", "write_agent_dir",
     "write_jsonl", "write_ledger_dir", "write_manifest", "write_resources_dir",
 ]
 
@@ -124,6 +127,20 @@ def record_json(record: AgentBoundaryRecord | ResourceSnapshot) -> bytes:
     """A record file (an archive member, a resources session): ``json.dumps(record, indent=2)``,
     fields in declaration order."""
     return document_bytes(record, sort_keys=False, indent=2)
+
+
+def receipt_json(receipt: MutationReceipt) -> bytes:
+    """A mutation receipt as a resources session file lays it out (an item of its
+    ``mutation_receipts``, two levels in): bytes a resources server may encode when the receipt is
+    made, for :func:`session_json`."""
+    return nested_document_bytes(receipt, 2)
+
+
+def session_json(snapshot: ResourceSnapshot, receipts: Sequence[bytes]) -> bytes:
+    """:func:`record_json` of ``snapshot``, its receipts given as their :func:`receipt_json` bytes (in
+    its order) instead of encoded again: a session's receipts are its history, one per mutation."""
+    return document_bytes_spliced(msgspec.structs.replace(snapshot, mutation_receipts=[]), "mutation_receipts",
+                                  receipts)
 
 
 def write_agent_archives(folder: str | os.PathLike[str], records: Iterable[AgentBoundaryRecord],
@@ -359,9 +376,11 @@ def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str,
 
 
 def write_resources_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, server_name: str,
-                        snapshots: Iterable[ResourceSnapshot]) -> tuple[ResourcesManifest, str]:
+                        snapshots: Iterable[ResourceSnapshot], *,
+                        encode: Callable[[ResourceSnapshot], bytes] = record_json) -> tuple[ResourcesManifest, str]:
     """A resources server's folder: ``<rid>.a<n>.json`` per session (``json.dumps(indent=2)``, fields
-    in declaration order), then ``manifest.json`` mapping each name to its SHA-256."""
+    in declaration order: :func:`record_json`, or ``encode`` giving the same bytes from parts encoded
+    earlier), then ``manifest.json`` mapping each name to its SHA-256."""
     folder = Path(checkpoint_dir) / resources_dir(server_name)
     files: dict[str, str] = {}
     into = f"{folder}{os.sep}"  # one file per session: names joined as strings, not parsed as paths
@@ -370,7 +389,7 @@ def write_resources_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: s
             name = attempt_member(snap.rollout_id, snap.attempt_index)
             if name in files:
                 raise InvalidRecordError(f"resources snapshots: {name!r} appears twice (expected one per attempt)")
-            data = record_json(snap)
+            data = encode(snap)
             out.add(into + name, data)
             files[name] = sha256_hex(data)
     manifest = ResourcesManifest(checkpoint_id=checkpoint_id, server_name=server_name, files=files)

@@ -59,6 +59,9 @@ from gymkit.checkpoint_dir import (
     iter_resource_dependencies,
     manifest_digest,
     read_resources_dir,
+    receipt_json,
+    record_json,
+    session_json,
     write_resources_dir,
 )
 from gymkit.collector import collector_held
@@ -210,6 +213,11 @@ class ResourceSessions:
         self.max_evicted_receipt_tombstones = max_evicted_receipt_tombstones
         self._revisions: dict[Key, int] = {}
         self._receipts: dict[Key, dict[str, MutationReceipt]] = {}
+        # Each receipt made here, with its bytes as a session file holds it (receipt_json), encoded
+        # once when it is made: a commit copies them (session_json) instead of encoding every
+        # session's receipts (its history, one per mutation) again in the pause. Kept and dropped
+        # with _receipts; restored receipts are not here (a commit encodes them).
+        self._receipt_json: dict[Key, dict[str, tuple[MutationReceipt, bytes]]] = {}
         self._retired_receipts: deque[Key] = deque()
         self._evicted: set[Key] = set()
         self._evicted_saturated = False
@@ -370,6 +378,7 @@ class ResourceSessions:
                 self._revisions[key] = m.resulting_revision
         if m.receipt is not None:
             self._receipts.setdefault(key, {})[m.receipt.request_id] = m.receipt
+            self._receipt_json.setdefault(key, {})[m.receipt.request_id] = (m.receipt, receipt_json(m.receipt))
         if terminal:
             self.end_session(*key, keep_receipts=True)
 
@@ -385,6 +394,7 @@ class ResourceSessions:
             while len(self._retired_receipts) > self.max_retired_receipt_sessions:
                 old = self._retired_receipts.popleft()
                 self._receipts.pop(old, None)
+                self._receipt_json.pop(old, None)
                 if not self._evicted_saturated:
                     self._evicted.add(old)
                     if len(self._evicted) > self.max_evicted_receipt_tombstones:
@@ -392,6 +402,7 @@ class ResourceSessions:
                         self._evicted_saturated = True
         else:
             self._receipts.pop(key, None)
+            self._receipt_json.pop(key, None)
             if key in self._retired_receipts:
                 self._retired_receipts.remove(key)
 
@@ -440,6 +451,18 @@ class ResourceSessions:
         if self._accepting:
             raise ControlError("resources_checkpoint_error", "resources state must be prepared before commit")
         return list(self._prepared)
+
+    def session_json(self, snapshot: ResourceSnapshot) -> bytes:
+        """``snapshot``'s session file (:func:`gymkit.checkpoint_dir.record_json`), each receipt's
+        bytes those encoded when it was made here (any other, encoded now)."""
+        if not snapshot.mutation_receipts:
+            return record_json(snapshot)
+        held = self._receipt_json.get((snapshot.rollout_id, snapshot.attempt_index), {})
+        parts = []
+        for r in snapshot.mutation_receipts:
+            kept = held.get(r.request_id)
+            parts.append(kept[1] if kept is not None and kept[0] is r else receipt_json(r))
+        return session_json(snapshot, parts)
 
     async def retire_execution(self, rollout_id: str, attempt_index: int, deadline_ts: float | None = None,
                                retire_state: Callable[[str, int], Awaitable[None]] | None = None
@@ -580,10 +603,13 @@ def _refused(code: str, exc: Exception) -> ControlError:
 
 
 def commit_resources_checkpoint(checkpoint_dir: str, checkpoint_id: str, server_name: str,
-                                snapshots: Sequence[ResourceSnapshot]) -> ResourcesCommitResponse:
+                                snapshots: Sequence[ResourceSnapshot], *,
+                                encode: Callable[[ResourceSnapshot], bytes] = record_json) -> ResourcesCommitResponse:
     """Write ``resources/<server_name>/<rid>.a<n>.json`` for each snapshot, then ``manifest.json``;
     answer ``{sessions, manifest_digest}``. A folder that already holds a manifest is validated
-    instead (same checkpoint id and server, every file's digest) and answered with its digest."""
+    instead (same checkpoint id and server, every file's digest) and answered with its digest.
+    ``encode``: each session file's bytes (:meth:`ResourceSessions.session_json` builds them from
+    receipts encoded when they were made)."""
     try:
         folder = checkpoint_root(checkpoint_dir) / resources_dir(server_name)
         if (folder / MANIFEST_NAME).exists():
@@ -594,7 +620,8 @@ def commit_resources_checkpoint(checkpoint_dir: str, checkpoint_id: str, server_
                                    f"server {manifest.server_name!r}, not {checkpoint_id!r} of {server_name!r}")
             digest = manifest_digest(folder)
         else:
-            manifest, digest = write_resources_dir(checkpoint_dir, checkpoint_id, server_name, snapshots)
+            manifest, digest = write_resources_dir(checkpoint_dir, checkpoint_id, server_name, snapshots,
+                                                   encode=encode)
     except (SnapshotError, OSError) as exc:
         raise _refused("resources_checkpoint_error", exc) from None
     assert digest is not None
@@ -685,7 +712,7 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
             await participant.before_commit()
             # The fence holds the collector off while the phase is "committing" (gymkit.collector).
             return await asyncio.to_thread(commit_resources_checkpoint, req.checkpoint_dir, req.checkpoint_id,
-                                           server_name(), snapshots)
+                                           server_name(), snapshots, encode=sessions.session_json)
 
         return await fence.run(req.checkpoint_id, "resources-checkpoint/commit", run, allowed=COMMIT_PHASES,
                                entering="committing", success="committed_paused")

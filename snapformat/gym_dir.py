@@ -42,7 +42,7 @@ import itertools
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -612,6 +612,33 @@ def document_bytes(value: Any, *, sort_keys: bool, indent: int) -> bytes:
         except msgspec.DecodeError:
             pass
     return json.dumps(builtins, sort_keys=sort_keys, indent=indent).encode()
+
+
+def nested_document_bytes(value: Any, depth: int) -> bytes:
+    """``value`` as a record file (:func:`document_bytes`: declaration order, indent 2) lays it out
+    ``depth`` levels in: the bytes a writer may encode ahead and splice into one
+    (:func:`document_bytes_spliced`). Every line is indented by ``depth`` more levels (a raw newline
+    is only ever layout: JSON escapes the ones in strings)."""
+    pad = b"  " * depth
+    return pad + document_bytes(value, sort_keys=False, indent=2).replace(b"\n", b"\n" + pad)
+
+
+def document_bytes_spliced(value: Any, field: str, items: Sequence[bytes]) -> bytes:
+    """The record file of ``value`` (declaration order, indent 2) with its top-level list ``field``
+    holding ``items``, each already laid out two levels in (:func:`nested_document_bytes` of
+    depth 2): the bytes :func:`document_bytes` gives for ``value`` holding those items, built
+    without encoding them again. ``value``'s own ``field`` must be empty.
+
+    Found by its line ``\n  "<field>": []``: only a top-level key's line starts with a newline and
+    exactly two spaces, and a record's keys are unique."""
+    base = document_bytes(value, sort_keys=False, indent=2)
+    empty = b'\n  "' + field.encode() + b'": []'
+    at = base.find(empty)
+    if at < 0:
+        raise ValueError(f"{field!r} is not an empty top-level list of the record")
+    if not items:
+        return base
+    return b"".join((base[:at], empty[:-1], b"\n", b",\n".join(items), b"\n  ]", base[at + len(empty):]))
 
 
 def manifest_bytes(manifest: GymManifest) -> tuple[bytes, str]:

@@ -25,7 +25,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from gymkit import resources_control
-from gymkit.checkpoint_dir import write_agent_dir
+from gymkit.checkpoint_dir import record_json, write_agent_dir
 from gymkit.fence import ControlError, Fence
 from gymkit.resources_control import (
     ResourceSessions,
@@ -396,6 +396,44 @@ def test_prepare_commit_files_retire_resume(tmp_path: Path) -> None:
             r = await c.post(f"{P}/commit", json={**req, "checkpoint_id": "ck-2"}, headers=AUTH)
             expect_error(r, "resources_checkpoint_error")
             assert s2.fence.phase == "prepared"
+    run_async(main)
+
+
+def test_the_commit_copies_each_receipts_bytes_encoded_when_it_was_made(tmp_path: Path, monkeypatch) -> None:
+    """A receipt is encoded once, when its mutation completes: the commit (inside the pause) encodes
+    none again, and the session file is the bytes of the whole snapshot encoded at once."""
+    async def main() -> None:
+        s = Server()
+        async with serving(s) as c:
+            await seed(c, "a")
+            assert (await note(c, "a", 3, "a-1", expected=1)).status_code == 200
+            assert (await c.post(f"{P}/prepare", json=body("ck-1"), headers=AUTH)).status_code == 200
+            real = resources_control.receipt_json
+            encoded: list[str] = []
+
+            def counting(receipt: Any) -> bytes:
+                encoded.append(receipt.request_id)
+                return real(receipt)
+
+            spliced: list[bytes] = []
+            splice = resources_control.session_json
+
+            def counting_splice(snapshot: Any, receipts: Any) -> bytes:
+                spliced.append(snapshot.rollout_id)
+                return splice(snapshot, receipts)
+
+            monkeypatch.setattr(resources_control, "receipt_json", counting)
+            monkeypatch.setattr(resources_control, "session_json", counting_splice)
+            r = await c.post(f"{P}/commit", json=body("ck-1", checkpoint_dir=str(tmp_path / "gym")), headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert encoded == [] and spliced == ["a"]
+            (snapshot,) = s.sessions.prepared_snapshots()
+            assert [x.request_id for x in snapshot.mutation_receipts] == ["seed-a-0", "a-1"]
+            assert (tmp_path / "gym" / "resources" / NAME / "a.a0.json").read_bytes() == record_json(snapshot)
+            # a receipt not made here (a restored one, an equal copy) is encoded when committed
+            copy = msgspec.structs.replace(snapshot, mutation_receipts=[
+                msgspec.structs.replace(x) for x in snapshot.mutation_receipts])
+            assert s.sessions.session_json(copy) == record_json(snapshot) and encoded == ["seed-a-0", "a-1"]
     run_async(main)
 
 

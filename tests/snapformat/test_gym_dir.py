@@ -10,6 +10,7 @@ import json
 import os
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -244,3 +245,30 @@ def test_compact_json_is_what_a_row_holds_so_it_embeds_as_raw(value: dict) -> No
     ``jsonl_bytes`` writes for the value itself: how the reference model records a call once."""
     assert gym_dir.compact_json(value) + b"\n" == jsonl_bytes([value])
     assert jsonl_bytes([{"token": msgspec.Raw(gym_dir.compact_json(value))}]) == jsonl_bytes([{"token": value}])
+
+
+_TRICKY_TEXT = st.sampled_from(["\n", '\n  "items": []', "é", "\u2028", '"', "\\"]) | st.text(max_size=8)
+_SPLICED_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_infinity=False) | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=_SPLICED_VALUES, items=st.lists(_SPLICED_VALUES, max_size=4), after=_SPLICED_VALUES)
+def test_items_encoded_ahead_and_spliced_give_the_record_files_bytes(before: Any, items: list[Any], after: Any) -> None:
+    """A record whose top-level list's items were encoded ahead, two levels in, and spliced into
+    the record with that list empty: the bytes ``document_bytes`` gives for the whole record,
+    whatever the items and the fields around them hold (newlines and the list's own line inside
+    strings, non-ASCII, NaN)."""
+    whole = {"before": before, "items": items, "after": after}
+    spliced = gym_dir.document_bytes_spliced({"before": before, "items": [], "after": after}, "items",
+                                             [gym_dir.nested_document_bytes(i, 2) for i in items])
+    assert spliced == gym_dir.document_bytes(whole, sort_keys=False, indent=2)
+
+
+def test_a_splice_needs_the_list_empty_at_the_top_level() -> None:
+    with pytest.raises(ValueError, match="'items' is not an empty top-level list"):
+        gym_dir.document_bytes_spliced({"items": [1]}, "items", [b"    2"])
+    with pytest.raises(ValueError, match="'items' is not an empty top-level list"):
+        gym_dir.document_bytes_spliced({"inner": {"items": []}}, "items", [b"    2"])
