@@ -311,8 +311,8 @@ class RefModel(ModelParticipant):
                 taken.append(prefixes)
         longest: dict[str, tuple[_KeyCalls, int]] = {}  # key -> its calls and how many some root takes
         mixed: dict[str, dict[str, Call]] = {key: {} for key in walked_keys}  # key -> calls, first reached first
-        for lineage in taken:
-            for item in reversed(lineage) if lineage and isinstance(lineage[0], tuple) else lineage:
+        for lineage in taken:  # each from its earliest call, in the roots' order
+            for item in lineage:
                 if isinstance(item, tuple):
                     kc, n = item
                     key = kc.calls[0].entry.capture_key
@@ -339,7 +339,7 @@ class RefModel(ModelParticipant):
         return last
 
     def _prefixes(self, last: Call) -> list[tuple[_KeyCalls, int]] | None:
-        """:meth:`_lineage` of ``last`` as (a key's calls, how many of them), latest attempt first,
+        """:meth:`_lineage` of ``last`` as (a key's calls, how many of them), earliest attempt first,
         when every key the walk passes through holds one chain; None when one does not (then only
         walking finds the lineage)."""
         keys = capture_keys_down(last.entry.rollout_id, last.entry.attempt_index)
@@ -353,13 +353,13 @@ class RefModel(ModelParticipant):
             prefixes.append((kc, at + 1))
             parent = kc.calls[0].entry.parent_call_id
             if parent is None:
-                return prefixes
+                return prefixes[::-1]
             if parent in kc.position:  # the walk looks for a parent in its call's own key first
                 return None
             # then in the earlier attempts' keys, latest first, as _lineage does
             found = self._find_in(keys[last.entry.attempt_index - call.entry.attempt_index + 1:], parent)
             if found is None:
-                return prefixes
+                return prefixes[::-1]
             call = found
 
     def _lineage(self, last: Call) -> list[Call]:
