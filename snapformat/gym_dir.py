@@ -303,13 +303,20 @@ def _temp_removed_on_failure(tmp: str, path: str | os.PathLike[str]) -> Iterator
     try:
         yield
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise StoreError(f"{path}: cannot write: {exc}") from exc
-        raise
+        error = _failed_write(tmp, path, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def _failed_write(tmp: str, path: str | os.PathLike[str], exc: BaseException) -> StoreError | None:
+    """After a write of ``path`` through ``tmp`` failed with ``exc``: remove ``tmp``; the error to
+    raise instead, a :class:`StoreError` naming ``path`` for an :class:`OSError` (None: raise ``exc``)."""
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+    return StoreError(f"{path}: cannot write: {exc}") if isinstance(exc, OSError) else None
 
 
 def atomic_write_chunks(path: str | os.PathLike[str], chunks: Iterable[bytes]) -> None:
@@ -376,13 +383,10 @@ def _write_renamed(path: str, chunks: Iterable[bytes], tmp: str) -> int:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise StoreError(f"{path}: cannot write: {exc}") from exc
-        raise
+        error = _failed_write(tmp, path, exc)
+        if error is None:
+            raise
+        raise error from exc
     return size
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError
+from schemas.errors import CorruptSnapshotError, InvalidPathError, InvalidRecordError, StoreError
 from schemas.gym_files import ArtifactRef, ExternalStorageReference
 from snapformat import gym_dir
 from snapformat.gym_dir import DurableFiles, JsonlChunks, continuation_roots_sha256, jsonl_bytes, write_jsonl
@@ -73,6 +73,19 @@ def test_a_failing_stream_leaves_no_file_and_a_bad_path_writes_nothing(tmp_path:
     with pytest.raises(InvalidPathError):
         write_jsonl(tmp_path, "../outside.jsonl", [])
     assert not (tmp_path.parent / "outside.jsonl").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_write_the_file_system_refuses_is_a_store_error_naming_the_file_and_leaves_no_temp(
+        tmp_path: Path, workers: int) -> None:
+    (tmp_path / "taken").mkdir()  # renaming a file over a folder fails (an OSError)
+    with pytest.raises(StoreError, match=r"taken: cannot write"), DurableFiles(workers=workers) as out:
+        out.add(tmp_path / "fine.json", b"{}")
+        out.add(tmp_path / "taken", b"{}")
+    with pytest.raises(StoreError, match=r"taken: cannot write"), DurableFiles(workers=workers) as out:
+        out.add_chunks(tmp_path / "taken", [b"{", b"}"])
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(gym_dir.TEMP_PREFIX)) == []
+    assert (tmp_path / "taken").is_dir()
 
 
 def test_add_chunks_counts_files_and_bytes_and_is_durable_with_the_block(tmp_path: Path) -> None:
