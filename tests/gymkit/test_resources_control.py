@@ -415,7 +415,7 @@ def test_the_commit_copies_each_receipts_bytes_encoded_when_it_was_made(tmp_path
                 encoded.append(receipt.request_id)
                 return real(receipt)
 
-            spliced: list[bytes] = []
+            spliced: list[str] = []
             splice = resources_control.session_json
 
             def counting_splice(snapshot: Any, receipts: Any) -> bytes:
