@@ -167,10 +167,8 @@ class LazyLineages(Mapping[str, bytes]):
         self._model = model
 
     def __getitem__(self, key: str) -> bytes:
-        from snapformat.gym_dir import jsonl_bytes
-
         root = self._by_key[key]
-        return jsonl_bytes(lineage_calls(int(root.rollout_id[1:]), self._model))
+        return b"".join(call.row for call in lineage_calls(int(root.rollout_id[1:]), self._model))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_key)
