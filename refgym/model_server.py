@@ -171,6 +171,11 @@ class _KeyCalls:
         self.position[e.model_call_id] = len(self.calls)
         self.calls.append(call)
 
+    def get(self, call_id: str) -> Call | None:
+        """The call ``call_id`` (the latest recorded under that id)."""
+        at = self.position.get(call_id)
+        return None if at is None else self.calls[at]
+
 
 class RefModel(ModelParticipant):
     """The model server's state (its ledger) and its side of Gym's checkpoint protocol."""
@@ -183,8 +188,7 @@ class RefModel(ModelParticipant):
         self.model = f"refgym-policy-seed{seed}"
         self.slow_s = slow_ms / 1000
         self.commit_delay_s = commit_delay_ms / 1000  # test knob: hold a commit open to kill it there
-        self.calls: dict[tuple[str, str], Call] = {}  # (capture_key, model_call_id) -> call
-        self._by_key: dict[str, _KeyCalls] = {}  # capture_key -> its calls in order (the same calls)
+        self._by_key: dict[str, _KeyCalls] = {}  # capture_key -> its calls in order: the ledger
         self.token_store = token_store  # where each call's TokenEntry is captured, as Gym's TokenSink
 
     # -- the protocol ------------------------------------------------------------------------
@@ -202,7 +206,7 @@ class RefModel(ModelParticipant):
         roots = self._roots(ctx)
         tombstoned = {(t.rollout_id, t.attempt_index) for t in self.admission.tombstones()}
         rooted = {(r.rollout_id, r.attempt_index) for r in roots}
-        seen = {(c.entry.rollout_id, c.entry.attempt_index) for c in self.calls.values()}
+        seen = {(kc.calls[0].entry.rollout_id, kc.calls[0].entry.attempt_index) for kc in self._by_key.values()}
         folder = Path(ctx.checkpoint_dir) / ledger_dir(self.name)
         if (folder / MANIFEST_NAME).exists():  # a commit that finds its own manifest writes nothing
             return self._committed(folder, ctx.checkpoint_id, roots, tombstoned, rooted, len(seen & tombstoned))
@@ -250,25 +254,24 @@ class RefModel(ModelParticipant):
     async def restore(self, ctx: ModelRestoreContext) -> ModelRestoreResponse:
         """Load the ledger back; the saved tombstones and the roots' source attempts are fenced by
         the kit (a restored rollout continues as attempt n+1)."""
-        if self.calls:
+        if self._by_key:
             raise ControlError("ledger_mismatch",
                                f"restore needs an empty model ledger; this one holds {len(self.calls)} calls")
         try:
             manifest, _refs, lineage = read_ledger_dir(Path(ctx.checkpoint_dir) / ledger_dir(self.name))
-            calls: dict[tuple[str, str], Call] = {}
             by_key: dict[str, _KeyCalls] = {}
             for key, path in lineage.items():
                 for n, call in enumerate(_stored_calls(path), 1):
                     if call.entry.capture_key != key:
                         raise InvalidRecordError(f"{path}: row {n}: a call of {call.entry.capture_key!r} in the "
                                                  f"lineage of {key!r}")
-                    calls[(key, call.entry.model_call_id)] = call
                     by_key.setdefault(key, _KeyCalls()).add(call)
         except (SnapshotError, OSError, msgspec.DecodeError) as exc:
             raise ControlError("ledger_mismatch", f"{ctx.checkpoint_dir}: {type(exc).__name__}: {exc}") from None
-        self.calls, self._by_key = calls, by_key  # swapped in whole: a failed load changes nothing
+        self._by_key = by_key  # swapped in whole: a failed load changes nothing
         return ModelRestoreResponse(
-            rollouts=len(manifest.rollouts), rows=len(calls), checkpoint_id=manifest.checkpoint_id,
+            rollouts=len(manifest.rollouts), rows=sum(len(kc.position) for kc in by_key.values()),
+            checkpoint_id=manifest.checkpoint_id,
             tombstones=[AttemptRef(rollout_id=t.rollout_id, attempt_index=t.attempt_index) for t in manifest.tombstones],
             source_attempts=[AttemptRef(rollout_id=t.rollout_id, attempt_index=t.attempt_index)
                              for t in manifest.source_attempts],
@@ -376,6 +379,17 @@ class RefModel(ModelParticipant):
             seen.add((found.entry.capture_key, parent))
         return chain[::-1]
 
+    @property
+    def calls(self) -> dict[tuple[str, str], Call]:
+        """Every recorded call by (capture key, call id), built when asked (tests, reports); the
+        ledger itself is kept per capture key."""
+        return {(key, call_id): kc.calls[at] for key, kc in self._by_key.items() for call_id, at in kc.position.items()}
+
+    def _known(self, key: str, call_id: str) -> Call | None:
+        """The call ``call_id`` of capture key ``key``, if this server recorded one."""
+        kc = self._by_key.get(key)
+        return None if kc is None else kc.get(call_id)
+
     def _find(self, rollout_id: str, call_id: str, attempt: int) -> Call | None:
         """The call ``call_id`` of the latest attempt <= ``attempt`` that made it."""
         return self._find_in(capture_keys_down(rollout_id, attempt), call_id)
@@ -383,7 +397,7 @@ class RefModel(ModelParticipant):
     def _find_in(self, keys: list[str], call_id: str) -> Call | None:
         """The call ``call_id`` of the first of ``keys`` (capture keys, latest attempt first) that made it."""
         for key in keys:
-            if (found := self.calls.get((key, call_id))) is not None:
+            if (found := self._known(key, call_id)) is not None:
                 return found
         return None
 
@@ -399,14 +413,14 @@ class RefModel(ModelParticipant):
                              f"{req.attempt_index} of {req.rollout_id!r} has key {key!r}")
         if any(t < 0 or t >= rules.VOCAB for t in req.prompt_token_ids):
             raise ApiRefused(400, "bad_request", f"prompt_token_ids: every id must be in [0, {rules.VOCAB})")
-        if (known := self.calls.get((key, req.model_call_id))) is not None:
+        if (known := self._known(key, req.model_call_id)) is not None:
             return self._replay(known, req)
         # Admission refuses while a checkpoint holds the server (409 checkpoint_parked) and for an
         # attempt a restore or abort_inflight ended (409 stale_attempt): Gym's data-plane answers.
         async with self.admission.call(req.rollout_id, req.attempt_index, "responses"):
             if self.slow_s:
                 await asyncio.sleep(self.slow_s)
-            if (known := self.calls.get((key, req.model_call_id))) is not None:
+            if (known := self._known(key, req.model_call_id)) is not None:
                 return self._replay(known, req)  # an identical call finished meanwhile
             token = self._record(req, key)
             await self._capture(token)  # durable before the answer (Gym's TokenSink contract)
@@ -464,9 +478,7 @@ class RefModel(ModelParticipant):
         entry = ModelLedgerEntry(rollout_id=req.rollout_id, attempt_index=req.attempt_index, capture_key=key,
                                  model_call_id=req.model_call_id, parent_call_id=req.parent_call_id,
                                  turn_index=req.turn_index, model=self.model, created_at=now)
-        call = Call.answered(entry, token)
-        self.calls[(key, req.model_call_id)] = call
-        self._by_key.setdefault(key, _KeyCalls()).add(call)
+        self._by_key.setdefault(key, _KeyCalls()).add(Call.answered(entry, token))
         return token
 
     def ledger_view(self) -> list[dict[str, Any]]:
