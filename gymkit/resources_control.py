@@ -212,12 +212,11 @@ class ResourceSessions:
         self.max_retired_receipt_sessions = max_retired_receipt_sessions
         self.max_evicted_receipt_tombstones = max_evicted_receipt_tombstones
         self._revisions: dict[Key, int] = {}
-        self._receipts: dict[Key, dict[str, MutationReceipt]] = {}
-        # Each receipt made here, with its bytes as a session file holds it (receipt_json), encoded
-        # once when it is made: a commit copies them (session_json) instead of encoding every
-        # session's receipts (its history, one per mutation) again in the pause. Kept and dropped
-        # with _receipts; restored receipts are not here (a commit encodes them).
-        self._receipt_json: dict[Key, dict[str, tuple[MutationReceipt, bytes]]] = {}
+        # Each session's receipts by request id, each with its bytes as a session file holds it
+        # (receipt_json), encoded once when the receipt is made: a commit splices them (session_json)
+        # instead of encoding every session's receipts (its history, one per mutation) again in the
+        # pause. A restored receipt has no bytes here (None: a commit encodes it).
+        self._receipts: dict[Key, dict[str, tuple[MutationReceipt, bytes | None]]] = {}
         self._retired_receipts: deque[Key] = deque()
         self._evicted: set[Key] = set()
         self._evicted_saturated = False
@@ -244,7 +243,8 @@ class ResourceSessions:
         return self._revisions.get((rollout_id, attempt_index))
 
     def receipt(self, rollout_id: str, attempt_index: int, request_id: str) -> MutationReceipt | None:
-        return self._receipts.get((rollout_id, attempt_index), {}).get(request_id)
+        kept = self._receipts.get((rollout_id, attempt_index), {}).get(request_id)
+        return None if kept is None else kept[0]
 
     def tombstoned(self, rollout_id: str, attempt_index: int) -> bool:
         return (rollout_id, attempt_index) in self._tombstones
@@ -377,8 +377,7 @@ class ResourceSessions:
             else:
                 self._revisions[key] = m.resulting_revision
         if m.receipt is not None:
-            self._receipts.setdefault(key, {})[m.receipt.request_id] = m.receipt
-            self._receipt_json.setdefault(key, {})[m.receipt.request_id] = (m.receipt, receipt_json(m.receipt))
+            self._receipts.setdefault(key, {})[m.receipt.request_id] = (m.receipt, receipt_json(m.receipt))
         if terminal:
             self.end_session(*key, keep_receipts=True)
 
@@ -394,7 +393,6 @@ class ResourceSessions:
             while len(self._retired_receipts) > self.max_retired_receipt_sessions:
                 old = self._retired_receipts.popleft()
                 self._receipts.pop(old, None)
-                self._receipt_json.pop(old, None)
                 if not self._evicted_saturated:
                     self._evicted.add(old)
                     if len(self._evicted) > self.max_evicted_receipt_tombstones:
@@ -402,7 +400,6 @@ class ResourceSessions:
                         self._evicted_saturated = True
         else:
             self._receipts.pop(key, None)
-            self._receipt_json.pop(key, None)
             if key in self._retired_receipts:
                 self._retired_receipts.remove(key)
 
@@ -441,7 +438,7 @@ class ResourceSessions:
                                                                      f"{_key_text(key)}") from None
                 snapshots.append(ResourceSnapshot(
                     rollout_id=key[0], attempt_index=key[1], state_revision=revision, state=state,
-                    mutation_receipts=list(self._receipts.get(key, {}).values()), created_at=time.time()))
+                    mutation_receipts=[r for r, _ in self._receipts.get(key, {}).values()], created_at=time.time()))
             self._prepared = snapshots
             return ResourcesPrepareResponse(sessions=len(snapshots), state="prepared",
                                             inventory=_inventory(snapshots))
@@ -457,11 +454,12 @@ class ResourceSessions:
         bytes those encoded when it was made here (any other, encoded now)."""
         if not snapshot.mutation_receipts:
             return record_json(snapshot)
-        held = self._receipt_json.get((snapshot.rollout_id, snapshot.attempt_index), {})
+        held = self._receipts.get((snapshot.rollout_id, snapshot.attempt_index), {})
         parts = []
         for r in snapshot.mutation_receipts:
             kept = held.get(r.request_id)
-            parts.append(kept[1] if kept is not None and kept[0] is r else receipt_json(r))
+            encoded = kept[1] if kept is not None and kept[0] is r else None
+            parts.append(receipt_json(r) if encoded is None else encoded)
         return session_json(snapshot, parts)
 
     async def retire_execution(self, rollout_id: str, attempt_index: int, deadline_ts: float | None = None,
@@ -507,7 +505,7 @@ class ResourceSessions:
             key = (snap.rollout_id, snap.attempt_index)
             self._revisions[key] = snap.state_revision
             if snap.mutation_receipts:
-                self._receipts[key] = {r.request_id: r for r in snap.mutation_receipts}
+                self._receipts[key] = {r.request_id: (r, None) for r in snap.mutation_receipts}
         self._restore_expected = False
 
     def reopen(self) -> None:
