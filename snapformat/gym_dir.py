@@ -374,9 +374,7 @@ def _write_renamed(path: str, chunks: Iterable[bytes], tmp: str) -> int:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             for chunk in chunks:
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, (chunk,))
                 size += len(chunk)
             os.fsync(fd)
         finally:
