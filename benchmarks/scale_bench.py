@@ -1209,6 +1209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-commit", type=int, metavar="ROLLOUTS", help="the collector lever's measurement: "
                    "the model server in-process, its commit with the cyclic collector on and held off "
                    "(see model_commit_lever), print its JSON and exit")
+    p.add_argument("--model-calls", type=int, default=2, metavar="CALLS", help="with --model-commit: model calls "
+                   "per rollout, each the parent of the next (default %(default)s)")
     p.add_argument("--model-restore", type=int, metavar="ROLLOUTS", help="the freeze lever's measurement: "
                    "the model's ledger restored in fresh processes with the collector on, held off, and held off "
                    "then frozen (see model_restore_lever), print its JSON and exit")
@@ -1220,7 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msgspec.json.encode(asyncio.run(agent_wave(opts.agent_wave))).decode())
         return 0
     if opts.model_commit:
-        print(msgspec.json.encode(asyncio.run(model_commit_lever(opts.model_commit))).decode())
+        print(msgspec.json.encode(asyncio.run(model_commit_lever(opts.model_commit, opts.model_calls))).decode())
         return 0
     if opts.render:
         data = msgspec.json.decode(opts.render.read_bytes())
