@@ -38,7 +38,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -146,6 +146,7 @@ class AgentExecution:
         self.started_at = time.time()
         self.task = task  # cancelled by retire
         self.parked_task: asyncio.Task | None = None
+        self.parked_waiting = False  # parked by park_waiting: no task waits in park(); reopen runs it on
         self.detached = False  # its /run went away while parked with a boundary: retired at resume
         self.released = asyncio.Event()
         self.released.set()
@@ -335,6 +336,27 @@ class AgentExecutions:
         # asked to park (it was parked then): it is asked now
         ex.state = "running" if self._accepting else "park_requested"
         self._notify()
+
+    def park_waiting(self, keys: Iterable[tuple[str, int]]) -> int:
+        """Park each of ``keys`` (executions asked to park) on its task's behalf, at its recorded
+        boundary, without waking the task: for a task that waits outside any turn (an agent's rollout
+        queued for a turn slot) and would only wake to call :meth:`park`. The state and the status are
+        those :meth:`park` gives; the difference is that no task waits for the release, so
+        :meth:`reopen` makes such an execution ``running`` itself. The caller must start no turn of a
+        parked execution (it checks the state before each turn, as it checks :meth:`should_park`).
+        Waking 1,000 waiting rollouts an agent to park, then again at the resume, was most of an
+        agent's share of the pause. Returns how many were parked; a key that is not asked to park, or
+        has no recorded boundary, is left as it is (its task must park itself)."""
+        parked = 0
+        for key in keys:
+            ex = self._executions.get(key)
+            if ex is None or ex.state != "park_requested" or ex.boundary is None:
+                continue
+            ex.state, ex.parked_waiting = "parked", True
+            parked += 1
+        if parked:
+            self._notify()
+        return parked
 
     async def at_boundary(self, rollout_id: str, attempt_index: int, record: AgentBoundaryRecord) -> None:
         """A turn end: :meth:`record_boundary`, then :meth:`park` if a prepare asked for it."""
@@ -549,6 +571,9 @@ class AgentExecutions:
             elif ex.state == "parked":
                 if ex.detached:
                     self._retire_execution(ex)
+                elif ex.parked_waiting:  # nobody waits in park(): it runs on from here
+                    ex.state, ex.parked_waiting = "running", False
+                    released += 1
                 else:
                     ex.released.set()
                     released += 1

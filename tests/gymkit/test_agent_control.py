@@ -796,3 +796,50 @@ def test_released_execution_woken_after_a_new_prepare_is_asked_to_park() -> None
         assert ex.get("w", 0).state == "park_requested"  # type: ignore[union-attr]
         assert ex.should_park("w", 0) and ex.status().running == 1
     run_async(main)
+
+
+def test_park_waiting_parks_asked_executions_with_a_boundary_without_their_tasks() -> None:
+    async def main() -> None:
+        ex = AgentExecutions()
+        woken = 0
+
+        async def waits_for_a_slot() -> None:  # a rollout queued outside any turn: it never calls park()
+            nonlocal woken
+            await asyncio.sleep(30)
+            woken += 1
+
+        tasks = {}
+        for rid in ("a", "b", "c", "d"):
+            tasks[rid] = asyncio.create_task(waits_for_a_slot())
+            ex.begin(rid, 0, task=tasks[rid])
+        for rid in ("a", "b", "d"):
+            ex.record_boundary(rid, 0, AgentBoundaryRecord(rollout_id=rid, attempt_index=0, boundary_index=1))
+        assert ex.park_waiting([("a", 0)]) == 0  # not asked to park: left running
+        assert ex.get("a", 0).state == "running"  # type: ignore[union-attr]
+        ex.request_park()
+        # "c" has no recorded boundary and "nobody" no execution: both left as they are
+        assert ex.park_waiting([("a", 0), ("b", 0), ("c", 0), ("nobody", 0)]) == 2
+        st = ex.status()
+        assert (st.parked_with_boundary, st.running, st.ready_to_commit) == (2, 2, False)
+        assert ex.park_waiting([("a", 0)]) == 0  # already parked
+        ex.retire("d", 0)  # an asked execution that never parked goes; a retired one is ready either way
+        assert ex.park_waiting([("c", 0)]) == 0 and ex.should_park("c", 0)
+        ex.record_boundary("c", 0, AgentBoundaryRecord(rollout_id="c", attempt_index=0, boundary_index=1))
+        assert ex.park_waiting([("c", 0)]) == 1 and ex.status().ready_to_commit
+        assert [r.rollout_id for r in ex.records_for_commit()] == ["a", "b", "c"]
+        # a task cancelled while parked this way leaves its execution for the commit; resume retires it
+        tasks["b"].cancel()
+        ex.end("b", 0, "cancelled")
+        assert ex.get("b", 0).state == "parked"  # type: ignore[union-attr]
+        assert ex.reopen() == 2  # "a" and "c" released: running again, although no task woke to say so
+        assert [ex.get(r, 0).state for r in ("a", "c")] == ["running", "running"]  # type: ignore[union-attr]
+        assert ex.tombstoned("b", 0) and ex.get("b", 0) is None
+        assert woken == 0 and not tasks["a"].done()
+        # parked again by the next prepare, and retired while parked: its task is cancelled
+        ex.request_park()
+        assert ex.park_waiting([("a", 0)]) == 1
+        assert ex.retire("a", 0) == {"retired": True, "tombstoned": True}
+        with pytest.raises(asyncio.CancelledError):
+            await tasks["a"]
+        tasks["c"].cancel()
+    run_async(main)
