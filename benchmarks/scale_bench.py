@@ -1024,6 +1024,56 @@ async def agent_wave(rollouts: int) -> dict[str, Any]:
             "kit_listens": listens.count, "park_s": round(park, 3), "parked": status.parked}
 
 
+async def agent_park_rounds(rollouts: int, rounds: int = 5) -> dict[str, Any]:
+    """The reference agent alone (stand-in model and resources over httpx's mock transport), its
+    ``rollouts`` parked and released ``rounds`` times, as a prepare and a resume do. Each round
+    starts with every turn slot holding a model call and the other rollouts queued for a slot; the
+    park (``request_park`` until ``wait_prepared``: the held calls answered, their turns end and
+    park) is timed in wall and CPU seconds; the release (``reopen``, the agent's ``on_resume``, then
+    0.3 s in which only the released rollouts run: their next model calls are held) in CPU seconds.
+    Medians of the rounds (the parking lever's measurement; run it on the old and the new code)."""
+    from devtools.agent_stand_ins import StandIns, stand_in_agent
+    from refgym.api import StartRollout
+
+    stand_ins = StandIns(hold=True)
+    agent, executions = stand_in_agent(stand_ins)
+    for i in range(rollouts):
+        agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=TURNS))
+    park_s: list[float] = []
+    park_cpu_s: list[float] = []
+    release_cpu_s: list[float] = []
+    parked: list[int] = []
+    end = time.monotonic() + 600
+    held = MAX_OPEN_CALLS  # the model calls sent once every slot holds one
+    for _ in range(rounds):
+        while stand_ins.model_calls < held:  # every slot holds a call; the other rollouts queue
+            if time.monotonic() > end:
+                raise TimeoutError(f"{MAX_OPEN_CALLS} model calls were not all sent")
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        t, c = time.perf_counter(), time.process_time()
+        executions.request_park()
+        stand_ins.release.set()  # the calls in flight are answered; their turns end and park
+        status = await executions.wait_prepared(time.time() + 60)
+        park_s.append(time.perf_counter() - t)
+        park_cpu_s.append(time.process_time() - c)
+        parked.append(status.parked)
+        stand_ins.release.clear()  # the released rollouts' next calls wait: the window below is the release
+        held = stand_ins.model_calls + MAX_OPEN_CALLS
+        c = time.process_time()
+        executions.reopen()
+        await agent.on_resume()
+        await asyncio.sleep(0.3)
+        release_cpu_s.append(time.process_time() - c)
+    stand_ins.release.set()
+    await agent.close()
+    return {"rollouts": rollouts, "rounds": rounds, "park_s": round(statistics.median(park_s), 4),
+            "park_cpu_s": round(statistics.median(park_cpu_s), 4),
+            "release_cpu_s": round(statistics.median(release_cpu_s), 4),
+            "park_s_each": [round(x, 4) for x in park_s], "park_cpu_s_each": [round(x, 4) for x in park_cpu_s],
+            "release_cpu_s_each": [round(x, 4) for x in release_cpu_s], "parked": parked}
+
+
 async def _served_model(rollouts: int, calls: int) -> Any:
     """The reference model server in-process (a :class:`refgym.model_server.RefModel`), having
     answered ``calls`` chained model calls of each of ``rollouts`` rollouts (no HTTP)."""
@@ -1206,6 +1256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", type=Path, help="print the report of a saved result JSON (run.py's or a partial one)")
     p.add_argument("--agent-wave", type=int, metavar="ROLLOUTS", help="lever 1's measurement: one agent in-process "
                    "(see agent_wave), print its JSON and exit")
+    p.add_argument("--agent-park", type=int, metavar="ROLLOUTS", help="the parking lever's measurement: one "
+                   "agent in-process, its rollouts parked and released 5 times (see agent_park_rounds), print its "
+                   "JSON and exit")
     p.add_argument("--model-commit", type=int, metavar="ROLLOUTS", help="the collector lever's measurement: "
                    "the model server in-process, its commit with the cyclic collector on and held off "
                    "(see model_commit_lever), print its JSON and exit")
@@ -1220,6 +1273,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if opts.agent_wave:
         print(msgspec.json.encode(asyncio.run(agent_wave(opts.agent_wave))).decode())
+        return 0
+    if opts.agent_park:
+        print(msgspec.json.encode(asyncio.run(agent_park_rounds(opts.agent_park))).decode())
         return 0
     if opts.model_commit:
         print(msgspec.json.encode(asyncio.run(model_commit_lever(opts.model_commit, opts.model_calls))).decode())

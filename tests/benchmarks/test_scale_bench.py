@@ -120,6 +120,18 @@ def test_the_restore_lever_restores_in_fresh_processes_and_freezes_only_the_kept
     assert gc.get_freeze_count() == 0
 
 
+def test_the_parking_lever_parks_and_releases_every_rollout_each_round() -> None:
+    import asyncio
+
+    from refgym.agent_server import MAX_OPEN_CALLS
+
+    rollouts = 3 * MAX_OPEN_CALLS
+    res = asyncio.run(scale_bench.agent_park_rounds(rollouts, rounds=2))
+    assert res["parked"] == [rollouts, rollouts]  # every rollout parked in each round
+    assert len(res["park_cpu_s_each"]) == len(res["release_cpu_s_each"]) == 2
+    assert all(x > 0 for x in res["park_s_each"] + res["park_cpu_s_each"])
+
+
 def test_scale_plot_is_written(tmp_path: Path) -> None:
     fake = {"quick": True, "per_point": [
         {"servers": s, "n": n, "median_s": {k: 0.01 * n / 100 for k, _, _ in scale_bench.PHASES}}
