@@ -268,8 +268,8 @@ class TurnSlots:
             return await fut
         except asyncio.CancelledError:
             # Never keep a slot nobody will release: one granted just before the cancellation goes back.
-            queued = self._queue.pop(fut, None) or self._aside.pop(fut, None)
-            if queued is None and not fut.cancelled() and fut.result():
+            queued = self._queue.pop(fut, None) is not None or self._aside.pop(fut, None) is not None
+            if not queued and not fut.cancelled() and fut.result():
                 self.release()
             raise
 
