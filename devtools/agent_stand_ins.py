@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import msgspec
 
 from gymkit.agent_control import AgentExecutions
-from refgym.agent_server import RefAgent
-from refgym.api import REVISION_HEADER, ModelReply, ToolReply
-from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID
+from refgym.agent_server import MAX_OPEN_CALLS, RefAgent
+from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
+from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID, AgentStatus
 
 
 class StandIns:
@@ -80,3 +81,21 @@ class ListenCounter:
             await changed()
 
         executions.changed = counting  # type: ignore[method-assign]
+
+
+async def park_with_turns_in_flight(agent: RefAgent, executions: AgentExecutions, stand_ins: StandIns,
+                                    rollouts: int, turns: int = 3) -> AgentStatus:
+    """Start ``rollouts`` on ``agent`` (``stand_ins`` built with ``hold``), wait until every turn slot
+    holds a model call (the other rollouts queue for a slot), ask every execution to park as a
+    prepare does, then answer the held calls; returns the status once nothing runs (bounded: 30 s)."""
+    for i in range(rollouts):
+        agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=turns))
+    end = time.monotonic() + 30
+    while stand_ins.model_calls < MAX_OPEN_CALLS:
+        if time.monotonic() > end:
+            raise TimeoutError(f"only {stand_ins.model_calls} of {MAX_OPEN_CALLS} model calls were sent")
+        await asyncio.sleep(0.01)
+    executions.request_park()
+    await asyncio.sleep(0.05)
+    stand_ins.release.set()  # the calls in flight finish their turns, then those rollouts park
+    return await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from devtools.agent_stand_ins import ListenCounter, StandIns, stand_in_agent
+from devtools.agent_stand_ins import ListenCounter, StandIns, park_with_turns_in_flight, stand_in_agent
 from refgym import agent_server
 from refgym.agent_server import MAX_OPEN_CALLS
 from refgym.api import StartRollout
@@ -127,16 +127,7 @@ def test_rollouts_asked_to_park_while_queued_for_a_slot_park_without_a_back_off(
             await backoff(seconds)
 
         agent._backoff = counted  # type: ignore[method-assign]
-        for i in range(rollouts):
-            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
-        end = time.monotonic() + 30
-        while stand_ins.model_calls < MAX_OPEN_CALLS:
-            assert time.monotonic() < end
-            await asyncio.sleep(0.01)
-        executions.request_park()
-        await asyncio.sleep(0.05)
-        stand_ins.release.set()  # the calls in flight finish their turns, then those rollouts park
-        status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
+        status = await park_with_turns_in_flight(agent, executions, stand_ins, rollouts)
         await agent.close()
         return backoffs, status.ready_to_commit and status.parked == rollouts
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from devtools.agent_stand_ins import StandIns, stand_in_agent
+from devtools.agent_stand_ins import StandIns, park_with_turns_in_flight, stand_in_agent
 from refgym.agent_server import MAX_OPEN_CALLS, Rollout, TurnSlots
 from refgym.api import StartRollout
 
@@ -116,16 +116,8 @@ def test_rollouts_queued_for_a_slot_are_parked_and_released_without_waking() -> 
 
         executions.park = counted_park  # type: ignore[method-assign]
         executions.park_waiting = counted_park_waiting  # type: ignore[method-assign]
-        for i in range(ROLLOUTS):
-            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
+        status = await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS)
         end = time.monotonic() + 30
-        while stand_ins.model_calls < MAX_OPEN_CALLS:
-            assert time.monotonic() < end
-            await asyncio.sleep(0.01)
-        executions.request_park()
-        await asyncio.sleep(0.05)
-        stand_ins.release.set()  # the calls in flight finish their turns, then those rollouts park
-        status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
         ready = status.ready_to_commit and status.parked_with_boundary == ROLLOUTS
         calls_while_parked = stand_ins.model_calls
         released = executions.reopen()
