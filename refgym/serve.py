@@ -23,6 +23,7 @@ HOST = "127.0.0.1"
 #: (httpx: 5 s): were both 5 s, a client could send on a connection the server, its loop busy with
 #: thousands of rollouts, is closing in the same moment, and see the request fail (ReadError).
 KEEP_ALIVE_S = 30
+BACKLOG = 2048  # uvicorn's default; bind() listens with it before uvicorn does again
 
 
 def build_app(args: argparse.Namespace, token: str) -> FastAPI:
@@ -45,12 +46,17 @@ def build_app(args: argparse.Namespace, token: str) -> FastAPI:
 
 
 def bind(port: int, host: str = HOST) -> socket.socket:
-    """A listening-ready socket on 127.0.0.1 (SO_REUSEADDR, so a restarted server can take its old port)."""
+    """A listening socket on 127.0.0.1 (SO_REUSEADDR, so a restarted server can take its old port)."""
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections accepted from a socket that
     # says it is TCP; without it every keep-alive request waits ~40 ms (Nagle + delayed ACK).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # Listening at once, before the port file names the port: two SO_REUSEADDR sockets that are
+    # bound but not yet listening may share a port (a server started on port 0 was given the port
+    # another had just been picked), and whichever listened first then answered the other's
+    # readiness check and its clients. A listening socket makes the second bind fail instead.
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.port_file:
         write_port_file(args.port_file, port)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, lifespan="on",
-                            timeout_keep_alive=KEEP_ALIVE_S)
+                            timeout_keep_alive=KEEP_ALIVE_S, backlog=BACKLOG)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -4,10 +4,12 @@ control route with the token from the file."""
 
 from __future__ import annotations
 
+import errno
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from devtools.gym_fleet import listening_addresses
 from devtools.gym_procs import launch
@@ -34,3 +36,20 @@ def test_serve_binds_loopback_only_and_reads_its_token_from_a_file(tmp_path: Pat
     finally:
         server.kill()
     assert not server.alive()
+
+
+def test_a_servers_port_is_listening_before_it_is_named_so_no_other_server_can_share_it() -> None:
+    """``bind`` listens before the port file names the port. Two SO_REUSEADDR sockets that are only
+    bound may share a port: a server started on port 0 could be given the port another had just
+    been picked, and the one listening first then answered the other's readiness check and clients."""
+    from refgym.serve import bind
+
+    first = bind(0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(OSError) as refused:
+            bind(port).close()
+        assert refused.value.errno == errno.EADDRINUSE
+    finally:
+        first.close()
+    bind(port).close()  # once it is closed, a restarted server takes its old port (SO_REUSEADDR)
