@@ -375,7 +375,6 @@ class RefAgent(AgentParticipant):
             if not self.executions.accepting:
                 self._park_queued()
                 self._wake_all()
-            self._turn_slots.grant()  # a change may let a queued rollout start (a failed prepare's run-on)
 
     def _park_queued(self) -> None:
         """Park the rollouts asked to park while queued for a turn slot, without waking them
