@@ -100,7 +100,7 @@ from snapformat.gym_dir import (
 from snapformat.tar_archive import read_members, tar_bytes
 
 __all__ = [
-    "LINEAGE_SUFFIX", "DurableFiles", "atomic_write", "check_ledger_roots", "checkpoint_root", "compact_json",
+    "LINEAGE_SUFFIX", "DurableFiles", "LineageFile", "atomic_write", "check_ledger_roots", "checkpoint_root", "compact_json",
     "continuation_roots",
     "continuation_roots_sha256", "in_gym_order", "iter_agent_dir", "iter_agent_records", "iter_resource_dependencies",
     "jsonl_bytes",
@@ -337,17 +337,30 @@ def write_agent_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, 
     return manifest, write_manifest(folder, manifest)
 
 
+class LineageFile(msgspec.Struct, frozen=True):
+    """A lineage file whose SHA-256 and row count its writer already knows: a model server that
+    hashes each row once, when the call is recorded (or at its first commit), instead of hashing
+    the whole history at every commit. :func:`write_ledger_dir` puts them in the manifest as given;
+    every reader still checks them against the bytes (a restore, and the publisher's adoption:
+    ``snapformat.gym_dir``), so a wrong one fails there, naming the file and the field."""
+
+    key: str
+    data: bytes
+    sha256: str  #: SHA-256 hex of ``data``
+    rows: int  #: non-blank lines of ``data``
+
+
 def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, server_name: str, *,
-                     lineages: Mapping[str, bytes] | Iterable[tuple[str, bytes]],
+                     lineages: Mapping[str, bytes] | Iterable[tuple[str, bytes] | LineageFile],
                      storage_references: Iterable[ExternalStorageReference],
                      roots: Iterable[AgentContinuationRoot], excluded_inactive: int = 0,
                      tombstones: Iterable[AttemptEntry] = (),
                      source_attempts: Iterable[AttemptEntry] = ()) -> tuple[LedgerManifest, str]:
     """A model server's ledger folder: ``<capture_key>.lineage.jsonl`` for each of ``lineages``
-    (capture key -> the live file's bytes, copied as they are; a mapping or ``(key, bytes)`` pairs,
-    each written as it comes), ``storage-references.jsonl`` (rows in the given order, streamed),
-    then ``manifest.json``. ``rollouts[key]`` lists its file by name with its
-    SHA-256, non-blank ``rows`` and ``bytes``; ``roots`` (the agents' continuation indexes) give
+    (capture key -> the live file's bytes, copied as they are; a mapping, or ``(key, bytes)`` pairs
+    and :class:`LineageFile` items, each written as it comes), ``storage-references.jsonl`` (rows in
+    the given order, streamed), then ``manifest.json``. ``rollouts[key]`` lists its file by name with
+    its SHA-256, non-blank ``rows`` and ``bytes`` (a :class:`LineageFile`'s as given); ``roots`` (the agents' continuation indexes) give
     ``continuation_roots`` and ``continuation_roots_sha256``."""
     base = ledger_dir(server_name)
     folder = Path(checkpoint_dir) / base
@@ -358,13 +371,17 @@ def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str,
     items = lineages.items() if isinstance(lineages, Mapping) else lineages
     into = f"{folder}{os.sep}"  # one file per rollout: names joined as strings, not parsed as paths
     with DurableFiles() as out:  # every file durable, each folder fsynced once, before the manifest
-        for key, data in items:
+        for item in items:
+            if isinstance(item, LineageFile):
+                key, data, digest, rows = item.key, item.data, item.sha256, item.rows
+            else:
+                key, data = item
+                digest, rows = sha256_hex(data), non_blank_lines(data)
             if key in rollouts:
                 raise InvalidRecordError(f"ledger lineages: capture key {key!r} appears twice")
             name = f"{key}{LINEAGE_SUFFIX}"
             out.add(into + name, data)
-            rows = non_blank_lines(data)
-            rollouts[key] = LedgerRollout(files={name: sha256_hex(data)}, rows=rows, bytes=len(data))
+            rollouts[key] = LedgerRollout(files={name: digest}, rows=rows, bytes=len(data))
         refs = write_jsonl(checkpoint_dir, f"{base}/{STORAGE_REFERENCES_NAME}", storage_references, out)
     roots = list(roots)
     manifest = LedgerManifest(

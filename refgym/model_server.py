@@ -20,6 +20,8 @@ attempt n+1.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +33,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from gymkit.checkpoint_dir import (
+    LineageFile,
     compact_json,
     continuation_roots_sha256,
     jsonl_bytes,
@@ -151,14 +154,20 @@ class _KeyCalls:
     form one chain: each call's parent the call before it, turn indexes rising, call ids unique.
 
     Then the lineage of its k-th call, within this key, is the first k + 1 calls, which a commit
-    takes by position instead of walking ``parent_call_id`` call by call (:meth:`RefModel._prefixes`)."""
+    takes by position instead of walking ``parent_call_id`` call by call (:meth:`RefModel._prefixes`),
+    and whose SHA-256 a running digest gives (:meth:`file`)."""
 
-    __slots__ = ("calls", "chain", "position")
+    __slots__ = ("_hashed", "_sha", "calls", "chain", "position")
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
         self.position: dict[str, int] = {}  # model_call_id -> its place in calls
         self.chain = True
+        # The running SHA-256 of the first _hashed calls' rows. Calls are only ever appended, so a
+        # commit hashes only the rows recorded since the one before: a lineage holds its rollout's
+        # whole history, and hashing it whole at every commit grew each pause with the history.
+        self._sha = hashlib.sha256()
+        self._hashed = 0
 
     def add(self, call: Call) -> None:
         e = call.entry
@@ -170,6 +179,18 @@ class _KeyCalls:
             self.chain = False
         self.position[e.model_call_id] = len(self.calls)
         self.calls.append(call)
+
+    def file(self, key: str, n: int) -> LineageFile:
+        """The lineage file of the first ``n`` calls (a chain's prefix, ``n`` >= 1): their rows, each
+        one non-blank line (:class:`Call`), and their SHA-256, from the running digest when ``n``
+        is at or past what it covers (a shorter prefix is hashed whole)."""
+        data = b"".join([c.row for c in self.calls[:n]])
+        if n < self._hashed:
+            return LineageFile(key, data, hashlib.sha256(data).hexdigest(), n)
+        for c in self.calls[self._hashed:n]:
+            self._sha.update(c.row)
+        self._hashed = n
+        return LineageFile(key, data, self._sha.hexdigest(), n)
 
     def get(self, call_id: str) -> Call | None:
         """The call ``call_id`` (the latest recorded under that id)."""
@@ -210,19 +231,21 @@ class RefModel(ModelParticipant):
         folder = Path(ctx.checkpoint_dir) / ledger_dir(self.name)
         if (folder / MANIFEST_NAME).exists():  # a commit that finds its own manifest writes nothing
             return self._committed(folder, ctx.checkpoint_id, roots, tombstoned, rooted, len(seen & tombstoned))
-        lineages = self.lineages(roots)
+        chains, walked = self._lineage_parts(roots)
         if self.commit_delay_s:
             await asyncio.sleep(self.commit_delay_s)
+        files = itertools.chain((kc.file(key, n) for key, (kc, n) in chains.items()),
+                                ((key, b"".join([c.row for c in calls])) for key, calls in walked.items()))
         manifest, digest = write_ledger_dir(
-            ctx.checkpoint_dir, ctx.checkpoint_id, self.name,
-            lineages=((key, b"".join(c.row for c in calls)) for key, calls in lineages.items()),
+            ctx.checkpoint_dir, ctx.checkpoint_id, self.name, lineages=files,
             storage_references=sorted((ExternalStorageReference(
                 capture_key=r.capture_key, boundary_model_call_id=r.last_committed_model_call_id,
                 key=f"{r.capture_key}/{r.last_committed_model_call_id}") for r in roots), key=lambda e: e.key),
             roots=roots, excluded_inactive=len(seen - rooted - tombstoned),
             tombstones=[AttemptEntry(rollout_id=r, attempt_index=n) for r, n in sorted(tombstoned)],
             source_attempts=[AttemptEntry(rollout_id=r, attempt_index=n) for r, n in sorted(rooted)])
-        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=sum(map(len, lineages.values())),
+        rows = sum(r.rows for r in manifest.rollouts.values())
+        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=rows,
                                    excluded_tombstoned=len(seen & tombstoned), excluded_inactive=manifest.excluded_inactive,
                                    manifest_digest=digest, storage_reference_index=manifest.storage_reference_index)
 
@@ -247,7 +270,8 @@ class RefModel(ModelParticipant):
             raise ControlError("ledger_mismatch", f"{folder / MANIFEST_NAME} was committed with other "
                                                   f"{', '.join(differs)} than this commit would write")
         assert digest is not None
-        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=sum(r.rows for r in manifest.rollouts.values()),
+        rows = sum(r.rows for r in manifest.rollouts.values())
+        return ModelCommitResponse(rollouts=len(manifest.rollouts), rows=rows,
                                    excluded_tombstoned=excluded_tombstoned, excluded_inactive=manifest.excluded_inactive,
                                    manifest_digest=digest, storage_reference_index=manifest.storage_reference_index)
 
@@ -301,6 +325,13 @@ class RefModel(ModelParticipant):
         call (:meth:`_lineage`), and a key a walked lineage reaches is built from every root's calls
         in it, as the walk alone builds it. ``walk=True`` walks every root: the same result, slower
         (the tests' oracle)."""
+        chains, walked = self._lineage_parts(roots, walk=walk)
+        return {key: kc.calls[:n] for key, (kc, n) in chains.items()} | walked
+
+    def _lineage_parts(self, roots: list[AgentContinuationRoot], *, walk: bool = False
+                       ) -> tuple[dict[str, tuple[_KeyCalls, int]], dict[str, list[Call]]]:
+        """:meth:`lineages` in two parts: the keys taken as a prefix of one chain (key -> its calls
+        and how many of them) and the keys a walk reaches (key -> their calls, in file order)."""
         taken: list[list[tuple[_KeyCalls, int]] | list[Call]] = []
         walked_keys: set[str] = set()
         for root in roots:
@@ -326,9 +357,8 @@ class RefModel(ModelParticipant):
                         longest[key] = (kc, n)
                 else:
                     mixed[item.entry.capture_key].setdefault(item.entry.model_call_id, item)
-        out = {key: kc.calls[:n] for key, (kc, n) in longest.items()}  # a chain's calls rise in turn index
-        out.update((key, sorted(calls.values(), key=lambda c: c.entry.turn_index)) for key, calls in mixed.items())
-        return out
+        # a chain's calls rise in turn index; a walked key's are sorted by it
+        return longest, {key: sorted(calls.values(), key=lambda c: c.entry.turn_index) for key, calls in mixed.items()}
 
     def _last(self, root: AgentContinuationRoot) -> Call:
         """The root's last committed call; ``ledger_mismatch`` if its attempt is tombstoned or this
@@ -345,7 +375,7 @@ class RefModel(ModelParticipant):
         """:meth:`_lineage` of ``last`` as (a key's calls, how many of them), earliest attempt first,
         when every key the walk passes through holds one chain; None when one does not (then only
         walking finds the lineage)."""
-        keys = capture_keys_down(last.entry.rollout_id, last.entry.attempt_index)
+        keys: list[str] | None = None  # the earlier attempts' keys, once the walk leaves its own
         prefixes: list[tuple[_KeyCalls, int]] = []
         call = last
         while True:
@@ -360,6 +390,8 @@ class RefModel(ModelParticipant):
             if parent in kc.position:  # the walk looks for a parent in its call's own key first
                 return None
             # then in the earlier attempts' keys, latest first, as _lineage does
+            if keys is None:
+                keys = capture_keys_down(last.entry.rollout_id, last.entry.attempt_index)
             found = self._find_in(keys[last.entry.attempt_index - call.entry.attempt_index + 1:], parent)
             if found is None:
                 return prefixes[::-1]

@@ -546,6 +546,25 @@ def test_ledger_lineages_as_pairs_or_a_lazy_mapping_give_the_same_folder(tmp_pat
                             storage_references=[], roots=[])
 
 
+def test_a_lineage_file_with_known_facts_writes_the_same_folder_and_wrong_facts_are_refused_on_reading(
+        tmp_path: Path) -> None:
+    lineage = {"a": b'{"call":1}\n{"call":2}\n', "b": b'{"call":3}\n'}
+    known = [cd.LineageFile(k, v, hashlib.sha256(v).hexdigest(), v.count(b"\n")) for k, v in lineage.items()]
+    results = [cd.write_ledger_dir(tmp_path / name, "ckpt-1", "policy0", lineages=value, storage_references=[],
+                                   roots=[_root("a"), _root("b")])
+               for name, value in (("pairs", lineage), ("known", [known[0], ("b", lineage["b"])]))]
+    assert results[0] == results[1]
+    assert _folder_bytes(tmp_path / "pairs" / "model-ledger" / "policy0") == \
+        _folder_bytes(tmp_path / "known" / "model-ledger" / "policy0")
+    # The writer takes the facts as given; the folder's readers check them against the bytes.
+    for name, wrong, field in (("sha", msgspec.structs.replace(known[0], sha256="0" * 64), r"files\['a.lineage.jsonl'\]"),
+                               ("rows", msgspec.structs.replace(known[0], rows=3), r"rollouts\['a'\]\.rows")):
+        cd.write_ledger_dir(tmp_path / name, "ckpt-1", "policy0", lineages=[wrong], storage_references=[], roots=[])
+        folder = tmp_path / name / "model-ledger" / "policy0"
+        with pytest.raises(CorruptSnapshotError, match=field):
+            cd.read_ledger_dir(folder)
+
+
 def test_records_come_back_in_index_order_whatever_the_archive_order(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(cd, "AGENT_ARCHIVE_MAX_MEMBERS", 2)
     records = [_record(f"r{i}") for i in range(5)]

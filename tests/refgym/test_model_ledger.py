@@ -14,6 +14,7 @@ import hashlib
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -21,9 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gymkit.checkpoint_dir import write_ledger_dir
+from gymkit.checkpoint_dir import read_ledger_dir, write_ledger_dir
 from gymkit.fence import ControlError
 from gymkit.model_control import ModelAdmission, ModelCommitContext, ModelRestoreContext
+from refgym import model_server
 from refgym.api import ApiRefused, ModelCall, ModelReply
 from refgym.model_server import RefModel
 from schemas.gym_files import ledger_dir
@@ -291,6 +293,58 @@ def test_chained_lineages_are_taken_by_position_also_across_a_restored_attempt(t
     assert again["r0.lineage.jsonl"] == b"".join(first["r0.lineage.jsonl"].splitlines(keepends=True)[:2])
     assert [msgspec.json.decode(row)["entry"]["model_call_id"] for row in again["r1-a1.lineage.jsonl"].splitlines()] == [
         "c3", "c4"]
+
+
+def test_commits_hash_each_row_once_and_every_prefix_gets_its_files_digest(tmp_path: Path, monkeypatch) -> None:
+    """A capture key's lineage takes its SHA-256 from the key's running digest: across commits each
+    row is hashed once (the history is not hashed again at every pause), a commit for an earlier
+    call than one already hashed hashes its prefix whole, and every folder's manifest holds its
+    files' digests and row counts (its reader checks them against the bytes)."""
+    hashed: list[int] = []  # the bytes given to the model's digests, call by call
+
+    class CountingSha:
+        def __init__(self, data: bytes = b"") -> None:
+            self._sha = hashlib.sha256(data)
+            hashed.append(len(data))
+
+        def update(self, data: bytes) -> None:
+            hashed.append(len(data))
+            self._sha.update(data)
+
+        def hexdigest(self) -> str:
+            return self._sha.hexdigest()
+
+    monkeypatch.setattr(model_server, "hashlib", SimpleNamespace(sha256=CountingSha))
+    model = RefModel(NAME, 7, ModelAdmission())
+
+    def rows(last: str) -> dict[str, list[bytes]]:
+        return _rows_of(model.lineages(_root_rows({i: (0, last) for i in range(ROLLOUTS)}), walk=True))
+
+    def size(last: str, since: int = 0) -> int:
+        """The bytes of every lineage's rows at call ``last``, from row ``since`` on."""
+        return sum(len(row) for v in rows(last).values() for row in v[since:])
+
+    async def commit(name: str, last: str) -> int:
+        """Commit every rollout at call ``last`` into ``name``; the bytes hashed for it."""
+        before = sum(hashed)
+        await _commit_roots(model, tmp_path / name, {i: (0, last) for i in range(ROLLOUTS)})
+        manifest, _, files = read_ledger_dir(tmp_path / name / ledger_dir(NAME))  # checks digests and rows
+        assert {k: p.read_bytes() for k, p in files.items()} == {k: b"".join(v) for k, v in rows(last).items()}
+        assert {k: r.rows for k, r in manifest.rollouts.items()} == {k: len(v) for k, v in rows(last).items()}
+        return sum(hashed) - before
+
+    async def scenario() -> None:
+        for t in range(2):
+            for i in range(ROLLOUTS):
+                await model.call(_call(i, t))
+        assert await commit("first", "c1") == size("c1") > 0
+        for i in range(ROLLOUTS):
+            await model.call(_call(i, 2))
+        assert await commit("later", "c2") == size("c2", since=2) > 0  # only the rows recorded since
+        assert await commit("again", "c2") == 0
+        assert await commit("earlier", "c1") == size("c1")  # behind the running digest: hashed whole
+
+    asyncio.run(scenario())
 
 
 def test_a_restored_lineage_line_without_its_newline_is_committed_with_one(tmp_path: Path) -> None:
