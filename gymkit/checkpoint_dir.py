@@ -339,8 +339,8 @@ def write_agent_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str, 
 
 class LineageFile(msgspec.Struct, frozen=True):
     """A lineage file whose SHA-256 and row count its writer already knows: a model server that
-    hashes each row once, when the call is recorded (or at its first commit), instead of hashing
-    the whole history at every commit. :func:`write_ledger_dir` puts them in the manifest as given;
+    keeps a running digest of each lineage hashes each row once, at the first commit that writes it,
+    instead of the whole history at every commit. :func:`write_ledger_dir` puts them in the manifest as given;
     every reader still checks them against the bytes (a restore, and the publisher's adoption:
     ``snapformat.gym_dir``), so a wrong one fails there, naming the file and the field."""
 
@@ -360,8 +360,8 @@ def write_ledger_dir(checkpoint_dir: str | os.PathLike[str], checkpoint_id: str,
     (capture key -> the live file's bytes, copied as they are; a mapping, or ``(key, bytes)`` pairs
     and :class:`LineageFile` items, each written as it comes), ``storage-references.jsonl`` (rows in
     the given order, streamed), then ``manifest.json``. ``rollouts[key]`` lists its file by name with
-    its SHA-256, non-blank ``rows`` and ``bytes`` (a :class:`LineageFile`'s as given); ``roots`` (the agents' continuation indexes) give
-    ``continuation_roots`` and ``continuation_roots_sha256``."""
+    its SHA-256, non-blank ``rows`` and ``bytes`` (a :class:`LineageFile`'s as given); ``roots`` (the
+    agents' continuation indexes) give ``continuation_roots`` and ``continuation_roots_sha256``."""
     base = ledger_dir(server_name)
     folder = Path(checkpoint_dir) / base
     rollouts: dict[str, LedgerRollout] = {}
