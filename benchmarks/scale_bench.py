@@ -1032,24 +1032,19 @@ async def agent_park_rounds(rollouts: int, rounds: int = 5) -> dict[str, Any]:
     park) is timed in wall and CPU seconds; the release (``reopen``, the agent's ``on_resume``, then
     0.3 s in which only the released rollouts run: their next model calls are held) in CPU seconds.
     Medians of the rounds (the parking lever's measurement; run it on the old and the new code)."""
-    from devtools.agent_stand_ins import StandIns, stand_in_agent
-    from refgym.api import StartRollout
+    from devtools.agent_stand_ins import StandIns, stand_in_agent, start_rollouts, wait_until
 
     stand_ins = StandIns(hold=True)
     agent, executions = stand_in_agent(stand_ins)
-    for i in range(rollouts):
-        agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=TURNS))
+    start_rollouts(agent, rollouts, TURNS)
     park_s: list[float] = []
     park_cpu_s: list[float] = []
     release_cpu_s: list[float] = []
     parked: list[int] = []
-    end = time.monotonic() + 600
     held = MAX_OPEN_CALLS  # the model calls sent once every slot holds one
     for _ in range(rounds):
-        while stand_ins.model_calls < held:  # every slot holds a call; the other rollouts queue
-            if time.monotonic() > end:
-                raise TimeoutError(f"{MAX_OPEN_CALLS} model calls were not all sent")
-            await asyncio.sleep(0.01)
+        # every slot holds a call; the other rollouts queue
+        await wait_until(lambda n=held: stand_ins.model_calls >= n, 120, f"{held} model calls sent")
         await asyncio.sleep(0.1)
         t, c = time.perf_counter(), time.process_time()
         executions.request_park()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -60,6 +61,21 @@ class StandIns:
         return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})  # session reset / end
 
 
+async def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``done`` every 10 ms until it is true; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
+def start_rollouts(agent: RefAgent, rollouts: int, turns: int) -> None:
+    """Start rollouts ``r0`` .. ``r<rollouts - 1>`` of ``turns`` turns each (seed = index)."""
+    for i in range(rollouts):
+        agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=turns))
+
+
 def stand_in_agent(stand_ins: StandIns) -> tuple[RefAgent, AgentExecutions]:
     """A reference agent ``agent0`` (tool ``notes``) whose calls go to ``stand_ins``, and its kit."""
     executions = AgentExecutions()
@@ -84,18 +100,15 @@ class ListenCounter:
 
 
 async def park_with_turns_in_flight(agent: RefAgent, executions: AgentExecutions, stand_ins: StandIns,
-                                    rollouts: int, turns: int = 3) -> AgentStatus:
+                                    rollouts: int, turns: int = 3, *, pause_model: bool = False) -> AgentStatus:
     """Start ``rollouts`` on ``agent`` (``stand_ins`` built with ``hold``), wait until every turn slot
     holds a model call (the other rollouts queue for a slot), ask every execution to park as a
-    prepare does, then answer the held calls; returns the status once nothing runs (bounded: 30 s)."""
-    for i in range(rollouts):
-        agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=turns))
-    end = time.monotonic() + 30
-    while stand_ins.model_calls < MAX_OPEN_CALLS:
-        if time.monotonic() > end:
-            raise TimeoutError(f"only {stand_ins.model_calls} of {MAX_OPEN_CALLS} model calls were sent")
-        await asyncio.sleep(0.01)
+    prepare does (``pause_model``: then the model refuses new calls, as when it pauses first), then
+    answer the held calls; returns the status once nothing runs (bounded: 30 s)."""
+    start_rollouts(agent, rollouts, turns)
+    await wait_until(lambda: stand_ins.model_calls >= MAX_OPEN_CALLS, 30, f"{MAX_OPEN_CALLS} model calls sent")
     executions.request_park()
     await asyncio.sleep(0.05)
+    stand_ins.paused = pause_model
     stand_ins.release.set()  # the calls in flight finish their turns, then those rollouts park
     return await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)

@@ -12,10 +12,16 @@ import time
 
 import pytest
 
-from devtools.agent_stand_ins import ListenCounter, StandIns, park_with_turns_in_flight, stand_in_agent
+from devtools.agent_stand_ins import (
+    ListenCounter,
+    StandIns,
+    park_with_turns_in_flight,
+    stand_in_agent,
+    start_rollouts,
+    wait_until,
+)
 from refgym import agent_server
 from refgym.agent_server import MAX_OPEN_CALLS
-from refgym.api import StartRollout
 
 
 def test_rollouts_waiting_for_a_turn_slot_are_not_woken_by_every_turn_end() -> None:
@@ -29,12 +35,9 @@ def test_rollouts_waiting_for_a_turn_slot_are_not_woken_by_every_turn_end() -> N
         stand_ins = StandIns()
         agent, executions = stand_in_agent(stand_ins)
         listened = ListenCounter(executions)
-        for i in range(rollouts):
-            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=turns))
-        end = time.monotonic() + 60
-        while any(r.outcome == "running" or r.receipt is None for r in agent.rollouts.values()):
-            assert time.monotonic() < end, "the rollouts did not finish"
-            await asyncio.sleep(0.01)
+        start_rollouts(agent, rollouts, turns)
+        await wait_until(lambda: all(r.outcome != "running" and r.receipt is not None
+                                     for r in agent.rollouts.values()), 60, "every rollout completed")
         done = all(len(r.trajectory) == turns for r in agent.rollouts.values())
         await agent.close()
         return listened.count, agent.wakeups, done
@@ -61,12 +64,8 @@ def test_a_rollout_backing_off_from_a_paused_model_parks_before_its_backoff_ends
         stand_ins = StandIns()
         stand_ins.paused = True  # every model call is refused: the leader backs off, the others wait for it
         agent, executions = stand_in_agent(stand_ins)
-        for i in range(4):
-            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
-        end = time.monotonic() + 10
-        while stand_ins.refused < 1:
-            assert time.monotonic() < end
-            await asyncio.sleep(0.01)
+        start_rollouts(agent, 4, 3)
+        await wait_until(lambda: stand_ins.refused >= 1, 10, "a model call refused")
         await asyncio.sleep(0.05)  # the leader is in its 1,000 s back-off now
         executions.request_park()
         status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
@@ -90,12 +89,9 @@ def test_rollouts_queued_behind_a_refused_model_call_send_none_of_their_own(monk
         stand_ins = StandIns()
         stand_ins.paused = True
         agent, executions = stand_in_agent(stand_ins)
-        for i in range(rollouts):
-            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
-        end = time.monotonic() + 30
-        while stand_ins.refused + agent.calls_held_back < rollouts:  # every rollout tried once
-            assert time.monotonic() < end, (stand_ins.refused, agent.calls_held_back)
-            await asyncio.sleep(0.01)
+        start_rollouts(agent, rollouts, 3)
+        await wait_until(lambda: stand_ins.refused + agent.calls_held_back >= rollouts, 30,
+                         "every rollout tried once")
         await asyncio.sleep(0.1)  # time for any further call to be sent
         refused = stand_ins.refused
         executions.request_park()

@@ -12,11 +12,9 @@ protocol and proof tests.
 from __future__ import annotations
 
 import asyncio
-import time
 
-from devtools.agent_stand_ins import StandIns, park_with_turns_in_flight, stand_in_agent
+from devtools.agent_stand_ins import StandIns, park_with_turns_in_flight, stand_in_agent, wait_until
 from refgym.agent_server import MAX_OPEN_CALLS, Rollout, TurnSlots
-from refgym.api import StartRollout
 
 ROLLOUTS = 5 * MAX_OPEN_CALLS
 
@@ -25,26 +23,18 @@ def test_parking_sends_no_model_call_for_rollouts_still_waiting_for_a_slot() -> 
     async def scenario() -> tuple[int, int, int, bool]:
         stand_ins = StandIns(hold=True)  # model calls wait for release: every turn slot holds one in flight
         agent, executions = stand_in_agent(stand_ins)
-        for i in range(ROLLOUTS):
-            agent.start(StartRollout(rollout_id=f"r{i}", seed=i, turns=3))
-        while stand_ins.model_calls < MAX_OPEN_CALLS:  # every turn slot holds a model call in flight
-            await asyncio.sleep(0.01)
-        in_flight = stand_ins.model_calls
-        executions.request_park()  # the prepare: close admission, ask every execution to park
-        await asyncio.sleep(0.05)
-        stand_ins.paused = True  # the model refuses new calls; the held ones finish their turns
-        stand_ins.release.set()
-        status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
-        calls_at_parked = stand_ins.model_calls
+        # The prepare: close admission, ask every execution to park; then the model refuses new calls,
+        # and the held ones finish their turns.
+        status = await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS, pause_model=True)
         finished_turns = sum(len(r.trajectory) for r in agent.rollouts.values())
         await agent.close()
-        return in_flight, calls_at_parked, finished_turns, status.ready_to_commit and status.parked == ROLLOUTS
+        return (stand_ins.model_calls, stand_ins.refused, finished_turns,
+                status.ready_to_commit and status.parked == ROLLOUTS)
 
-    in_flight, calls, turns, all_parked = asyncio.run(scenario())
-    assert in_flight == MAX_OPEN_CALLS
+    calls, refused, turns, all_parked = asyncio.run(scenario())
     # The rollouts that held a turn slot finished their turn; the others parked without calling the
     # model (otherwise each of the 64 waiting rollouts would take a call slot and get a 409 first).
-    assert calls == MAX_OPEN_CALLS and turns == MAX_OPEN_CALLS
+    assert calls == MAX_OPEN_CALLS and refused == 0 and turns == MAX_OPEN_CALLS
     assert all_parked  # every execution parked at a boundary: the agent is ready to commit
 
 
@@ -117,14 +107,12 @@ def test_rollouts_queued_for_a_slot_are_parked_and_released_without_waking() -> 
         executions.park = counted_park  # type: ignore[method-assign]
         executions.park_waiting = counted_park_waiting  # type: ignore[method-assign]
         status = await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS)
-        end = time.monotonic() + 30
         ready = status.ready_to_commit and status.parked_with_boundary == ROLLOUTS
         calls_while_parked = stand_ins.model_calls
         released = executions.reopen()
         await agent.on_resume()
-        while any(r.outcome == "running" for r in agent.rollouts.values()):
-            assert time.monotonic() < end
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: all(r.outcome != "running" for r in agent.rollouts.values()), 30,
+                         "every rollout finished")
         turns = sorted({len(r.trajectory) for r in agent.rollouts.values()})
         free = agent._turn_slots.free
         await agent.close()
