@@ -25,17 +25,21 @@ from schemas.control import HEADER_EXPECTED_REVISION, HEADER_ROLLOUT_ID, AgentSt
 class StandIns:
     """The model and the ``notes`` tool, each answering after ``delay_s`` (0: one loop turn, as a real
     round trip yields). ``paused``: the model refuses new calls as Gym's paused admission does (409
-    ``checkpoint_parked``, retry after a second). With ``hold``, accepted model calls wait until
-    ``release`` is set. Counts every model call (``model_calls``) and every refusal (``refused``)."""
+    ``checkpoint_parked``, retry after a second). With ``hold``, accepted model calls of turn
+    ``hold_from_turn`` and later wait until ``release`` is set (``held``: how many wait now). Counts
+    every model call (``model_calls``), every refusal (``refused``) and every tool call (``tool_calls``)."""
 
-    def __init__(self, delay_s: float = 0.0, hold: bool = False) -> None:
+    def __init__(self, delay_s: float = 0.0, hold: bool = False, hold_from_turn: int = 0) -> None:
         self.delay_s = delay_s
+        self.hold_from_turn = hold_from_turn
+        self.held = 0
         self.release = asyncio.Event()
         if not hold:
             self.release.set()
         self.paused = False
         self.model_calls = 0
         self.refused = 0
+        self.tool_calls = 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -46,14 +50,18 @@ class StandIns:
                 self.refused += 1
                 return httpx.Response(409, json={"error": {"code": "checkpoint_parked", "detail": "paused"}},
                                       headers={"retry-after": "1"})
-            await self.release.wait()
             call = json.loads(request.content)
+            if call["turn_index"] >= self.hold_from_turn and not self.release.is_set():
+                self.held += 1
+                await self.release.wait()
+                self.held -= 1
             reply = ModelReply(response_id="r", model="m", capture_key=call["capture_key"],
                                model_call_id=call["model_call_id"], generation_token_ids=[1, 2],
                                generation_log_probs=[-0.1, -0.2], cum_len=len(call["prompt_token_ids"]) + 2,
                                digest="0" * 64, parent_resolution="root")
             return httpx.Response(200, content=msgspec.json.encode(reply))
         if path.startswith("/tools/"):
+            self.tool_calls += 1
             revision = int(request.headers[HEADER_EXPECTED_REVISION]) + 1
             tool = ToolReply(resource="tools", tool="notes", session_id=request.headers[HEADER_ROLLOUT_ID],
                              revision=revision, result={"count": 1})
@@ -68,6 +76,12 @@ async def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> N
         if time.monotonic() > end:
             raise TimeoutError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+async def wait_finished(agent: RefAgent, timeout_s: float = 30) -> None:
+    """Wait until every rollout of ``agent`` has ended (finished or failed); bounded."""
+    await wait_until(lambda: all(r.outcome != "running" for r in agent.rollouts.values()), timeout_s,
+                     "every rollout finished")
 
 
 def start_rollouts(agent: RefAgent, rollouts: int, turns: int) -> None:
@@ -102,11 +116,13 @@ class ListenCounter:
 async def park_with_turns_in_flight(agent: RefAgent, executions: AgentExecutions, stand_ins: StandIns,
                                     rollouts: int, turns: int = 3, *, pause_model: bool = False) -> AgentStatus:
     """Start ``rollouts`` on ``agent`` (``stand_ins`` built with ``hold``), wait until every turn slot
-    holds a model call (the other rollouts queue for a slot), ask every execution to park as a
+    holds a model call (the other rollouts queue for a slot; with ``hold_from_turn`` 1, every rollout
+    has finished its first turn by then: the slots are granted in turn), ask every execution to park as a
     prepare does (``pause_model``: then the model refuses new calls, as when it pauses first), then
-    answer the held calls; returns the status once nothing runs (bounded: 30 s)."""
+    answer the held calls (the rollouts that sent them park at those answers, before their tool
+    calls); returns the status once nothing runs (bounded: 30 s)."""
     start_rollouts(agent, rollouts, turns)
-    await wait_until(lambda: stand_ins.model_calls >= MAX_OPEN_CALLS, 30, f"{MAX_OPEN_CALLS} model calls sent")
+    await wait_until(lambda: stand_ins.held >= MAX_OPEN_CALLS, 30, f"{MAX_OPEN_CALLS} model calls held")
     executions.request_park()
     await asyncio.sleep(0.05)
     stand_ins.paused = pause_model

@@ -23,7 +23,8 @@ SCHEMA_VERSION_META = msgspec.Meta(
 
 
 class AgentContinuationRoot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One line of ``continuations.jsonl``: a rollout parked at a turn end, as Gym's
+    """One line of ``continuations.jsonl``: a rollout parked at a boundary (a turn end, or a model
+    answer whose actions are pending: Gym's ``pending_model``), as Gym's
     ``AgentContinuationRoot`` defines it (same fields, defaults, nullability; unknown fields refused).
 
     ``last_committed_model_call_id`` is the call after which the rollout continues on restore; a
@@ -41,8 +42,10 @@ class AgentContinuationRoot(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         description="Gym's capture key of that run: `rollout_id`, or `<rollout_id>-a<N>` with "
                     "1 <= N <= `attempt_index`.")]
     last_committed_model_call_id: Annotated[CallId, msgspec.Meta(
-        description="The model call that ended the rollout's last finished turn (non-empty); on restore "
-                    "the rollout continues after it. A rollout parked before its first call has no line.")]
+        description="The rollout's last model call its boundary holds (non-empty): the one that ended its "
+                    "last finished turn, or, at a `pending_model` boundary, the one whose answer awaits its "
+                    "actions; on restore the rollout continues after it. A rollout parked before its first "
+                    "call has no line.")]
     resource_state_revisions: Annotated[dict[str, int] | None, msgspec.Meta(
         description="For each resource server the rollout depends on (by its participant name), the state "
                     "revision it saw; `{}` when it depends on none; null (the default) in an index written "

@@ -25,6 +25,7 @@ from nemo_gym.token_id_capture.records import TokenEntry, compute_digest, cumula
 
 from devtools.gym_fleet import Fleet, Spec, restore_all, resume_all, take_snapshot, wait_until
 from gymkit import GymFleet
+from gymkit.checkpoint_dir import read_agent_dir
 from gymkit.token_store import TokenStore
 from schemas.gym_records import AgentContinuationRoot
 from schemas.identity import capture_key
@@ -108,6 +109,16 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
         assert root.attempt_index == 0 and root.capture_key == rid and root.last_committed_model_call_id
         used = {"tools", "sandbox"} if rid.endswith("_g3") else {"tools"}
         assert set(root.resource_state_revisions or {}) == used
+
+    # A rollout whose model call was in flight at the prepare parked at the answer, before its tool
+    # calls (Gym's pending_model boundary, the answer in the record); its root names that call.
+    _, records, _ = read_agent_dir(Path(url) / agent_commit.part_prefix)
+    pending = [r for r in records if r.boundary_kind == "pending_model"]
+    assert pending, "no rollout parked at a model's answer (each model call takes 200 ms, a tool call a few)"
+    for r in pending:
+        assert r.pending_model is not None and r.pending_model.response["model_call_id"] == r.pending_model.model_call_id
+        assert roots[r.rollout_id].last_committed_model_call_id == r.pending_model.model_call_id
+        assert len(r.agent_state["trajectory"]) == call_index(r.pending_model.model_call_id)  # that turn is not done
 
     # The model's ledger holds exactly the calls the roots depend on; Gym's TokenEntry accepts each
     # row's token record unchanged, its digest is Gym's, and the token store captured the same record.
