@@ -1,4 +1,4 @@
-"""The reference agent server: multi-turn rollouts, parked at turn ends for a snapshot.
+"""The reference agent server: multi-turn rollouts, parked at their boundaries for a snapshot.
 
 A rollout attempt (``POST /rollouts``, Gym's ``/run`` of (rollout id, attempt index)) runs as one
 asyncio task, registered as an execution of Gym's agent checkpoint kit
@@ -12,19 +12,26 @@ the controller acknowledges the receipt.
 Boundaries: the rollout records one before its first turn (no model call yet) and one after each
 turn (Gym's ``turn_complete``; ``agent_state`` holds the trajectory so far, and
 ``resource_state_revisions`` the revision of each resources server it used). A prepare asks every
-running execution to park: a rollout between turns parks at once; one inside a turn after its
-first parks as soon as its model call has answered, before its tool calls (Gym's
-``pending_model`` boundary: the answer is in the record, and the turn's tool calls run after the
-resume, or in attempt n+1 after a restore), one inside its first turn finishes it first; and one whose last turn just ended parks too rather than completing, so a prepare never
-waits for a result to be acknowledged. Parking before the tool calls keeps them out of the pause:
-at 10,000 rollouts they were half of the HTTP work the agents did inside the prepare. A model call refused while
-the model is paused (409 ``checkpoint_parked``) or unreachable does not start the turn: the rollout
-waits and tries again.
+running execution to park:
+
+* a rollout between turns parks at once;
+* one inside a turn after its first parks as soon as its model call has answered, before its tool
+  calls (Gym's ``pending_model`` boundary: the answer is in the record, and the turn's tool calls
+  run after the resume, or in attempt n+1 after a restore). This keeps the tool calls out of the
+  pause: in a profile of a prepare at 10,000 rollouts they were about half of the agents' HTTP work;
+* one inside its first turn finishes that turn first (only then does its record name every
+  resources server it depends on);
+* one whose last turn just ended parks too rather than completing, so a prepare never waits for a
+  result to be acknowledged.
+
+A model call refused while the model is paused (409 ``checkpoint_parked``) or unreachable does not
+start the turn: the rollout waits and tries again.
 
 Restore is the kit's: each parked execution's boundary becomes the continuation of attempt n+1,
 which the controller runs again (``POST /rollouts`` with ``attempt_index`` n+1) after resume; the
 agent rebuilds the rollout from the boundary's ``agent_state`` and continues after its last
-committed model call. A continuation the controller discarded starts over.
+committed model call (a ``pending_model`` boundary's answer first gets its turn's tool calls). A
+continuation the controller discarded starts over.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def test_snapshot_crash_restore_equals_uninterrupted_run(fleet: Fleet, tmp_path:
     pending = [r for r in records if r.boundary_kind == "pending_model"]
     assert pending, "no rollout parked at a model's answer (each model call takes 200 ms, a tool call a few)"
     for r in pending:
-        assert r.pending_model is not None and r.pending_model.response["model_call_id"] == r.pending_model.model_call_id
+        assert r.pending_model is not None
+        assert r.pending_model.response["model_call_id"] == r.pending_model.model_call_id
         assert roots[r.rollout_id].last_committed_model_call_id == r.pending_model.model_call_id
         assert len(r.agent_state["trajectory"]) == call_index(r.pending_model.model_call_id)  # that turn is not done
 
