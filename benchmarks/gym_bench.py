@@ -63,11 +63,12 @@ PHASES: list[tuple[str, str, str]] = [
     ("prepare_model", "prepare: model pause",
      "`POST model-admission/pause`: the model server closes admission (new calls get 409 `checkpoint_parked`) "
      "and answers at once, `draining` while calls are in flight"),
-    ("prepare_agent", "prepare: agent (park at turn ends)",
+    ("prepare_agent", "prepare: agent (park at boundaries)",
      "`POST agent-checkpoint/prepare`: closes agent admission, asks every execution to park at its next "
      "boundary and answers once nothing runs (a turn whose model call was refused never started; one past its "
-     f"model call finishes its tool calls). The agent runs at most {MAX_OPEN_CALLS} turns at once; a rollout "
-     "waiting for a turn slot has not started its turn and parks at once, so this is those turns finishing"),
+     "model call parks at the answer, before its tool calls, except in a rollout's first turn, which finishes). "
+     f"The agent runs at most {MAX_OPEN_CALLS} turns at once; a rollout "
+     "waiting for a turn slot has not started its turn and parks at once, so this is those turns reaching their boundaries"),
     ("prepare_resource", "prepare: resources export",
      "`POST resources-checkpoint/prepare`: closes resources admission and exports every bound session under its lock"),
     ("prepare_model_drain", "prepare: model drain",

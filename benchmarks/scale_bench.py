@@ -120,7 +120,8 @@ PHASES: list[tuple[str, str, str]] = [
     ("prepare_model", "  prepare: model (pause + drain)", "the policy model's pause call, plus its drain poll if it was "
      "still draining (`ParticipantReply.seconds`)"),
     ("prepare_agent", "  prepare: agents (slowest)", "the slowest agent's prepare: parks every rollout at its next "
-     f"turn end; at most {MAX_OPEN_CALLS} turns per agent are in progress, the others park at once"),
+     f"boundary (a turn end, or a turn's model answer: `pending_model`); at most {MAX_OPEN_CALLS} turns per agent "
+     "are in progress, the others park at once"),
     ("prepare_resource", "  prepare: resources (slowest)", "the slowest resources server's prepare: closes admission "
      "and exports every bound session"),
     ("begin", "begin draft", "`SnapshotStore.begin()` and the draft's `gym/` folder as `checkpoint_dir`"),
