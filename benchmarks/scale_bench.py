@@ -1042,10 +1042,9 @@ async def agent_park_rounds(rollouts: int, rounds: int = 5) -> dict[str, Any]:
     park_cpu_s: list[float] = []
     release_cpu_s: list[float] = []
     parked: list[int] = []
-    held = MAX_OPEN_CALLS  # the model calls sent once every slot holds one
     for _ in range(rounds):
         # every slot holds a call; the other rollouts queue
-        await wait_until(lambda n=held: stand_ins.model_calls >= n, 120, f"{held} model calls sent")
+        await wait_until(lambda: stand_ins.held >= MAX_OPEN_CALLS, f"{MAX_OPEN_CALLS} model calls held", 120)
         await asyncio.sleep(0.1)
         t, c = time.perf_counter(), time.process_time()
         executions.request_park()
@@ -1055,7 +1054,6 @@ async def agent_park_rounds(rollouts: int, rounds: int = 5) -> dict[str, Any]:
         park_cpu_s.append(time.process_time() - c)
         parked.append(status.parked)
         stand_ins.release.clear()  # the released rollouts' next calls wait: the window below is the release
-        held = stand_ins.model_calls + MAX_OPEN_CALLS
         c = time.process_time()
         executions.reopen()
         await agent.on_resume()

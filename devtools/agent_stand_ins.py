@@ -12,10 +12,12 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import msgspec
 
+from devtools.gym_fleet import WAIT_S
 from gymkit.agent_control import AgentExecutions
 from refgym.agent_server import MAX_OPEN_CALLS, RefAgent
 from refgym.api import REVISION_HEADER, ModelReply, StartRollout, ToolReply
@@ -69,19 +71,22 @@ class StandIns:
         return httpx.Response(200, json={}, headers={REVISION_HEADER: "1"})  # session reset / end
 
 
-async def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``done`` every 10 ms until it is true; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while not done():
+async def wait_until(predicate: Callable[[], Any], what: str, timeout: float = WAIT_S, every: float = 0.01) -> Any:
+    """:func:`devtools.gym_fleet.wait_until` for code on the event loop (the stand-ins answer on the
+    same loop, so a blocking poll would stall them): poll ``predicate`` until it returns something
+    truthy and return it; fail naming ``what`` after ``timeout``."""
+    end = time.monotonic() + timeout
+    while not (value := predicate()):
         if time.monotonic() > end:
-            raise TimeoutError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.01)
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(every)
+    return value
 
 
-async def wait_finished(agent: RefAgent, timeout_s: float = 30) -> None:
+async def wait_finished(agent: RefAgent, timeout: float = WAIT_S) -> None:
     """Wait until every rollout of ``agent`` has ended (finished or failed); bounded."""
-    await wait_until(lambda: all(r.outcome != "running" for r in agent.rollouts.values()), timeout_s,
-                     "every rollout finished")
+    await wait_until(lambda: all(r.outcome != "running" for r in agent.rollouts.values()), "every rollout finished",
+                     timeout)
 
 
 def start_rollouts(agent: RefAgent, rollouts: int, turns: int) -> None:
@@ -122,7 +127,7 @@ async def park_with_turns_in_flight(agent: RefAgent, executions: AgentExecutions
     answer the held calls (the rollouts that sent them park at those answers, before their tool
     calls); returns the status once nothing runs (bounded: 30 s)."""
     start_rollouts(agent, rollouts, turns)
-    await wait_until(lambda: stand_ins.held >= MAX_OPEN_CALLS, 30, f"{MAX_OPEN_CALLS} model calls held")
+    await wait_until(lambda: stand_ins.held >= MAX_OPEN_CALLS, f"{MAX_OPEN_CALLS} model calls held")
     executions.request_park()
     await asyncio.sleep(0.05)
     stand_ins.paused = pause_model

@@ -542,7 +542,7 @@ class RefAgent(AgentParticipant):
             if self._parking(r):
                 await self._boundary(r)
                 continue
-            if r.pending is None and self._waits_for_leader(r):
+            if self._waits_for_leader(r):
                 await self._wait_model_or_park(r)
                 continue
             outcome = await self._turn(r)
@@ -599,7 +599,7 @@ class RefAgent(AgentParticipant):
             self._turn_slots.release()
             return "not_started"
         try:
-            if r.pending is None and self._waits_for_leader(r):
+            if self._waits_for_leader(r):
                 # Up to 1,000 rollouts queue for 16 slots. Once the model refused one call (it pauses
                 # for a checkpoint), each of them would otherwise send a call only to see it refused:
                 # thousands of round trips that hold the CPU the prepare needs.
@@ -610,8 +610,9 @@ class RefAgent(AgentParticipant):
             self._turn_slots.release()
 
     def _waits_for_leader(self, r: Rollout) -> bool:
-        """True while the model refuses calls and another rollout (the leader) finds out when it is back."""
-        return not self._model_ok.is_set() and self._leader is not r
+        """True while the model refuses calls and another rollout (the leader) finds out when it is back;
+        never for a rollout with a pending answer (the rest of its turn calls no model)."""
+        return not self._model_ok.is_set() and self._leader is not r and r.pending is None
 
     async def _turn_in_slot(self, r: Rollout) -> Literal["done", "not_started", "model_refused", "pending"]:
         t = len(r.trajectory)

@@ -37,7 +37,7 @@ def test_rollouts_waiting_for_a_turn_slot_are_not_woken_by_every_turn_end() -> N
         listened = ListenCounter(executions)
         start_rollouts(agent, rollouts, turns)
         await wait_until(lambda: all(r.outcome != "running" and r.receipt is not None
-                                     for r in agent.rollouts.values()), 60, "every rollout completed")
+                                     for r in agent.rollouts.values()), "every rollout completed", 60)
         done = all(len(r.trajectory) == turns for r in agent.rollouts.values())
         await agent.close()
         return listened.count, agent.wakeups, done
@@ -65,7 +65,7 @@ def test_a_rollout_backing_off_from_a_paused_model_parks_before_its_backoff_ends
         stand_ins.paused = True  # every model call is refused: the leader backs off, the others wait for it
         agent, executions = stand_in_agent(stand_ins)
         start_rollouts(agent, 4, 3)
-        await wait_until(lambda: stand_ins.refused >= 1, 10, "a model call refused")
+        await wait_until(lambda: stand_ins.refused >= 1, "a model call refused", 10)
         await asyncio.sleep(0.05)  # the leader is in its 1,000 s back-off now
         executions.request_park()
         status = await asyncio.wait_for(executions.wait_prepared(time.time() + 30), 30)
@@ -90,8 +90,7 @@ def test_rollouts_queued_behind_a_refused_model_call_send_none_of_their_own(monk
         stand_ins.paused = True
         agent, executions = stand_in_agent(stand_ins)
         start_rollouts(agent, rollouts, 3)
-        await wait_until(lambda: stand_ins.refused + agent.calls_held_back >= rollouts, 30,
-                         "every rollout tried once")
+        await wait_until(lambda: stand_ins.refused + agent.calls_held_back >= rollouts, "every rollout tried once")
         await asyncio.sleep(0.1)  # time for any further call to be sent
         refused = stand_ins.refused
         executions.request_park()

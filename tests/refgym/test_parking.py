@@ -22,6 +22,7 @@ from devtools.agent_stand_ins import (
     stand_in_agent,
     start_rollouts,
     wait_finished,
+    wait_until,
 )
 from gymkit.checkpoint_dir import record_json
 from refgym.agent_server import MAX_OPEN_CALLS, Rollout, Turn, TurnSlots, _from_boundary
@@ -130,6 +131,40 @@ def test_a_restored_pending_model_boundary_finishes_its_turn_with_the_kept_answe
         [f"r{i}", f"r{i}-a1"] for i in range(MAX_OPEN_CALLS, ROLLOUTS)]
     assert continued[0].restored == {"from_attempt": 0, "after_call": "call-1"}
     assert continued[-1].restored == {"from_attempt": 0, "after_call": "call-0"}
+
+
+def test_a_pending_turn_finishes_while_the_model_refuses_calls() -> None:
+    """The rest of a pending turn calls no model, so it does not wait for the model to accept calls
+    again: restored with the model refusing every call (and seen refusing), the continuations parked
+    at an answer finish their (last) turn, while the others wait for the model."""
+
+    async def scenario() -> tuple[list[str], int]:
+        stand_ins = StandIns(hold=True, hold_from_turn=1)
+        agent, executions = stand_in_agent(stand_ins)
+        await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS, turns=2)
+        records = [executions.get(f"r{i}", 0).boundary for i in range(ROLLOUTS)]
+        await agent.close()
+
+        refusing = StandIns()
+        refusing.paused = True
+        restored, kit = stand_in_agent(refusing)
+        kit.install_restored(records)  # type: ignore[arg-type]
+        kit.reopen()
+        for i in range(MAX_OPEN_CALLS, ROLLOUTS):  # those that need the model first: it is seen refusing
+            restored.start(StartRollout(rollout_id=f"r{i}", attempt_index=1, seed=i, turns=2))
+        await wait_until(lambda: refusing.refused >= 1, "a model call refused", 10)
+        for i in range(MAX_OPEN_CALLS):  # then the ones parked at an answer
+            restored.start(StartRollout(rollout_id=f"r{i}", attempt_index=1, seed=i, turns=2))
+        finished = [f"r{i}" for i in range(MAX_OPEN_CALLS)]
+        await wait_until(lambda: all(restored.rollouts[(rid, 1)].outcome == "finished" for rid in finished),
+                         "the pending turns finished", 10)
+        others = sum(r.outcome == "running" for r in restored.rollouts.values())
+        await restored.close()
+        return finished, others
+
+    finished, still_running = asyncio.run(scenario())
+    assert len(finished) == MAX_OPEN_CALLS
+    assert still_running == ROLLOUTS - MAX_OPEN_CALLS  # they need the model, which refuses every call
 
 
 def test_a_pending_model_record_that_does_not_fit_its_agent_state_is_refused_naming_the_field() -> None:
