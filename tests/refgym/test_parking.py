@@ -42,6 +42,19 @@ async def never_parked(rollouts: int, turns: int) -> list[list[Turn]]:
     return [agent.rollouts[(f"r{i}", 0)].trajectory for i in range(rollouts)]
 
 
+async def records_parked_at_answers() -> list[AgentBoundaryRecord]:
+    """The boundary records of :data:`ROLLOUTS` rollouts of 2 turns, parked while the first
+    :data:`MAX_OPEN_CALLS` had their second turn's model call in flight (so those parked at its
+    answer), read back through their bytes as a snapshot holds them; the agent is closed after."""
+    stand_ins = StandIns(hold=True, hold_from_turn=1)
+    agent, executions = stand_in_agent(stand_ins)
+    await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS, turns=2)
+    records = [msgspec.json.decode(record_json(executions.get(f"r{i}", 0).boundary),  # type: ignore[arg-type]
+                                   type=AgentBoundaryRecord) for i in range(ROLLOUTS)]
+    await agent.close()
+    return records
+
+
 def test_parking_sends_no_model_call_for_rollouts_still_waiting_for_a_slot() -> None:
     async def scenario() -> tuple[int, int, int, bool]:
         stand_ins = StandIns(hold=True)  # model calls wait for release: every turn slot holds one in flight
@@ -101,12 +114,7 @@ def test_a_restored_pending_model_boundary_finishes_its_turn_with_the_kept_answe
     it); every trajectory is the one of a run never parked."""
 
     async def scenario() -> tuple[list, int, list, list]:
-        stand_ins = StandIns(hold=True, hold_from_turn=1)
-        agent, executions = stand_in_agent(stand_ins)
-        await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS, turns=2)
-        records = [msgspec.json.decode(record_json(executions.get(f"r{i}", 0).boundary),  # type: ignore[arg-type]
-                                       type=AgentBoundaryRecord) for i in range(ROLLOUTS)]
-        await agent.close()  # the crash: the agent is gone, its records are what is left
+        records = await records_parked_at_answers()  # the crash: the agent is gone, its records are left
 
         fresh = StandIns()
         restored, kit = stand_in_agent(fresh)
@@ -139,16 +147,11 @@ def test_a_pending_turn_finishes_while_the_model_refuses_calls() -> None:
     at an answer finish their (last) turn, while the others wait for the model."""
 
     async def scenario() -> tuple[list[str], int]:
-        stand_ins = StandIns(hold=True, hold_from_turn=1)
-        agent, executions = stand_in_agent(stand_ins)
-        await park_with_turns_in_flight(agent, executions, stand_ins, ROLLOUTS, turns=2)
-        records = [executions.get(f"r{i}", 0).boundary for i in range(ROLLOUTS)]
-        await agent.close()
-
+        records = await records_parked_at_answers()
         refusing = StandIns()
         refusing.paused = True
         restored, kit = stand_in_agent(refusing)
-        kit.install_restored(records)  # type: ignore[arg-type]
+        kit.install_restored(records)
         kit.reopen()
         for i in range(MAX_OPEN_CALLS, ROLLOUTS):  # those that need the model first: it is seen refusing
             restored.start(StartRollout(rollout_id=f"r{i}", attempt_index=1, seed=i, turns=2))
