@@ -4,7 +4,9 @@ A scale run needs 100 agent servers and as many resources servers; a uvicorn pro
 200 interpreters on a 2-core machine. Here one process (one event loop) serves many of them: each
 server is the unchanged ``refgym`` FastAPI app (its own :class:`~gymkit.fence.Fence`, admission and
 state, so each speaks the full control protocol alone) behind its own ``uvicorn.Server`` on its own
-listening socket. SIGKILLing the process is the crash of every server it hosts.
+listening socket. SIGKILLing the process is the crash of every server it hosts. What the servers of a
+process share is read-only and derived from bytes on disk: the resources servers' restores read the
+agents' dependency indexes once (:mod:`gymkit.agent_dependencies`).
 
     python -m devtools.gym_multihost --spec spec.json --ready ready.json
 
@@ -68,6 +70,7 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
 async def _serve(spec: HostSpec, ready_path: Path) -> None:
     import uvicorn
 
+    from gymkit.agent_dependencies import AgentDependencies
     from refgym.agent_server import create_app as agent_app
     from refgym.model_server import create_app as model_app
     from refgym.resource_server import create_app as resource_app
@@ -93,9 +96,11 @@ async def _serve(spec: HostSpec, ready_path: Path) -> None:
         model_url = urls[spec.model.name]
     if spec.pairs and not model_url:
         raise SystemExit("agents need a model: give model or model_url")
+    dependencies = AgentDependencies()  # the resources servers' restores read the agents' indexes once
     for p in spec.pairs:
         listen(p.resource)
-        apps.append(resource_app(p.resource, token, kind="notes", slow_ms=spec.resource_slow_ms))
+        apps.append(resource_app(p.resource, token, kind="notes", slow_ms=spec.resource_slow_ms,
+                                 dependencies=dependencies))
     for p in spec.pairs:
         listen(p.agent)
         apps.append(agent_app(p.agent, token, model_url=model_url, tool_urls={"notes": urls[p.resource]}))

@@ -4,7 +4,9 @@ Gym's per-component checkpoint control protocol (``spec/CONTROL.md``), one modul
 :mod:`gymkit.model_control` (data-plane admission and the ``model-admission``/``model-checkpoint``
 routes), :mod:`gymkit.agent_control` (the execution registry and the ``agent-checkpoint`` routes),
 :mod:`gymkit.resources_control` (sessions and the ``resources-checkpoint`` routes), all on one
-:class:`~gymkit.fence.Fence` per process; Gym's checkpoint files (:mod:`gymkit.checkpoint_dir`).
+:class:`~gymkit.fence.Fence` per process; Gym's checkpoint files (:mod:`gymkit.checkpoint_dir`); what
+the agents' committed boundaries saw of each resources server, read once for the resources servers
+of a process (:mod:`gymkit.agent_dependencies`).
 
 The other side, the coordinator's: :class:`ControlClient` / :class:`AsyncControlClient` (one
 server's calls, typed) and :class:`GymFleet` (every server, in NeMo-RL's call orders).

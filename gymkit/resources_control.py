@@ -35,7 +35,9 @@ every record, so that S resources servers restoring N rollouts read N small rows
 N records each. It goes one way: every session an agent boundary depends on must be in the
 checkpoint at exactly that revision (``resource_revision_mismatch``); a session no boundary names is
 restored as it is.
-``resources_router(check_agent_revisions=False)`` turns it off.
+``resources_router(check_agent_revisions=False)`` turns it off. Gym has no index per resources
+server, so each server still reads every agent's rows (S x N in all); the resources servers hosted
+in one process share one read (:mod:`gymkit.agent_dependencies`).
 """
 
 from __future__ import annotations
@@ -48,15 +50,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Response
 
+from gymkit.agent_dependencies import AgentDependencies
 from gymkit.checkpoint_dir import (
     checkpoint_root,
-    iter_resource_dependencies,
     manifest_digest,
     read_resources_dir,
     receipt_json,
@@ -83,7 +84,7 @@ from schemas.control import (
     ResourcesRetireResponse,
 )
 from schemas.errors import InvalidPathError, SnapshotError
-from schemas.gym_files import AGENT_DIR, MANIFEST_NAME, MutationReceipt, ResourceSnapshot, resources_dir
+from schemas.gym_files import MANIFEST_NAME, MutationReceipt, ResourceSnapshot, resources_dir
 
 #: The phases each resources route allows (CONTROL.md §4).
 PREPARE_PHASES = ("idle",)
@@ -626,31 +627,14 @@ def commit_resources_checkpoint(checkpoint_dir: str, checkpoint_id: str, server_
     return ResourcesCommitResponse(sessions=len(manifest.files), manifest_digest=digest)
 
 
-def agent_revisions(checkpoint_dir: str, server_name: str) -> dict[Key, int]:
-    """What the agents' committed boundary records in ``checkpoint_dir/agent`` say they saw of this
-    server: (rid, n) -> revision. ``resource_revision_mismatch`` if two records of one attempt disagree."""
-    root = Path(checkpoint_dir) / AGENT_DIR
-    seen: dict[Key, int] = {}
-    if not root.is_dir():
-        return seen
-    for manifest_path in sorted(root.rglob(MANIFEST_NAME)):
-        # the agents' dependency index (continuation roots), not every record: each of S resources
-        # servers would otherwise read all N records, S x N at scale; only this server's revisions are kept
-        for key, revisions in iter_resource_dependencies(manifest_path.parent):
-            if server_name in revisions:
-                rev = revisions[server_name]
-                if seen.setdefault(key, rev) != rev:
-                    raise ControlError("resource_revision_mismatch", f"agent records of {_key_text(key)} name "
-                                                                     f"revisions {seen[key]} and {rev} of {server_name!r}")
-    return seen
-
-
-def load_resources_checkpoint(checkpoint_dir: str, server_name: str, *, check_agents: bool = True
-                              ) -> tuple[str, list[ResourceSnapshot]]:
+def load_resources_checkpoint(checkpoint_dir: str, server_name: str, *, check_agents: bool = True,
+                              dependencies: AgentDependencies | None = None) -> tuple[str, list[ResourceSnapshot]]:
     """The committed folder of ``server_name``, every digest checked: (its checkpoint id, its
     snapshots). With ``check_agents``, every session an agent's committed boundary depends on
     (its ``resource_state_revisions`` names this server) must be there at that exact revision, else
-    ``resource_revision_mismatch`` (see "Agent revisions on restore" in the module's docstring)."""
+    ``resource_revision_mismatch`` (see "Agent revisions on restore" in the module's docstring).
+    ``dependencies``: the agents' indexes as read for the other resources servers of this process
+    (:class:`gymkit.agent_dependencies.AgentDependencies`); a read of its own if None."""
     try:
         folder = checkpoint_root(checkpoint_dir) / resources_dir(server_name)
     except InvalidPathError as exc:
@@ -659,7 +643,8 @@ def load_resources_checkpoint(checkpoint_dir: str, server_name: str, *, check_ag
         raise ControlError("resources_checkpoint_error", f"no committed resources manifest at {folder / MANIFEST_NAME}")
     try:
         manifest, by_name = read_resources_dir(folder)
-        expected = agent_revisions(checkpoint_dir, server_name) if check_agents else {}
+        expected = ((dependencies or AgentDependencies()).revisions(checkpoint_dir, server_name)
+                    if check_agents else {})
     except (SnapshotError, OSError) as exc:
         raise _refused("resources_checkpoint_error", exc) from None
     if manifest.server_name != server_name:
@@ -676,7 +661,8 @@ def load_resources_checkpoint(checkpoint_dir: str, server_name: str, *, check_ag
 
 # -- the routes ---------------------------------------------------------------------------------------------
 def resources_router(participant: ResourcesParticipant, sessions: ResourceSessions, fence: Fence, token: str, *,
-                     capabilities: bool = True, check_agent_revisions: bool = True) -> APIRouter:
+                     capabilities: bool = True, check_agent_revisions: bool = True,
+                     dependencies: AgentDependencies | None = None) -> APIRouter:
     """Every ``/ng-control/v1/resources-checkpoint/*`` route (CONTROL.md §4), plus ``GET
     capabilities`` unless ``capabilities`` is False.
 
@@ -685,8 +671,11 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
     the id). Unfenced: ``retire`` (preparing or prepared), ``status`` (any phase but idle and
     restore_failed_paused; ``checkpoint_id`` and ``deadline_ts`` in the query).
     ``check_agent_revisions``: restore checks the sessions against the agents' committed boundaries
-    in the same ``checkpoint_dir`` (:func:`load_resources_checkpoint`).
+    in the same ``checkpoint_dir`` (:func:`load_resources_checkpoint`). ``dependencies``: give the
+    resources servers of one process the same :class:`~gymkit.agent_dependencies.AgentDependencies`
+    so that their restores read the agents' indexes once; a router of its own reads them itself.
     """
+    dependencies = dependencies or AgentDependencies()
     router = APIRouter(prefix=CONTROL_PREFIX)
     routes = ControlRoutes(router, token)
     if capabilities:
@@ -720,7 +709,8 @@ def resources_router(participant: ResourcesParticipant, sessions: ResourceSessio
             sessions.check_restorable([])  # closes admission; unsafe_resources_restore before any file is read
             with collector_held(keep=True):
                 source_id, snapshots = await asyncio.to_thread(load_resources_checkpoint, req.checkpoint_dir,
-                                                               server_name(), check_agents=check_agent_revisions)
+                                                               server_name(), check_agents=check_agent_revisions,
+                                                               dependencies=dependencies)
                 replacements = sessions.check_restorable(snapshots)
                 await participant.import_states(replacements)
                 sessions.install_restored(snapshots, replacements)

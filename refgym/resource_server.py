@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi import FastAPI, Request, Response
 
+from gymkit.agent_dependencies import AgentDependencies
 from gymkit.fence import ControlError, Fence
 from gymkit.resources_control import (
     ResourceSessions,
@@ -226,14 +227,16 @@ def _decode_tool(body: bytes) -> ToolCall:
         raise ApiRefused(400, "bad_request", f"ToolCall: {exc}") from None
 
 
-def create_app(name: str, token: str, kind: str = "notes", slow_ms: int = 0, test_faults: bool = False) -> FastAPI:
+def create_app(name: str, token: str, kind: str = "notes", slow_ms: int = 0, test_faults: bool = False,
+               dependencies: AgentDependencies | None = None) -> FastAPI:
     """A resources server of one tool ``kind``: session reset, the tool, a session view, and Gym's
-    ``resources-checkpoint`` control routes."""
+    ``resources-checkpoint`` control routes. ``dependencies``: the agents' indexes shared with the
+    other resources servers of this process (:mod:`gymkit.agent_dependencies`); its own if None."""
     sessions = ResourceSessions()
     participant = RefResources(name, kind, sessions, slow_ms)
     app = FastAPI(title=f"refgym resources server {name} ({kind})")
     app.state.participant = participant
-    app.include_router(resources_router(participant, sessions, Fence(), token))
+    app.include_router(resources_router(participant, sessions, Fence(), token, dependencies=dependencies))
     install_error_handler(app)
     health_routes(app, "resources_servers", name)
     if test_faults:

@@ -25,6 +25,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from gymkit import resources_control
+from gymkit.agent_dependencies import AgentDependencies
 from gymkit.checkpoint_dir import record_json, write_agent_dir
 from gymkit.fence import ControlError, Fence
 from gymkit.resources_control import (
@@ -46,7 +47,7 @@ from schemas.control import (
     Capabilities,
     ResourcesStatusResponse,
 )
-from schemas.gym_files import AgentBoundaryRecord, ResourceSnapshot
+from schemas.gym_files import CONTINUATIONS_NAME, AgentBoundaryRecord, ResourceSnapshot, agent_instance_dir
 from tests.gymkit.asgi_serving import run_async, serving_app
 from tests.gymkit.collector_probe import collector_state_at_calls
 
@@ -87,12 +88,12 @@ class ToyResources(ResourcesParticipant):
 
 
 class Server:
-    def __init__(self, **limits: Any) -> None:
+    def __init__(self, dependencies: AgentDependencies | None = None, **limits: Any) -> None:
         self.toy = ToyResources()
         self.sessions = ResourceSessions(**limits)
         self.fence = Fence()
         self.app = FastAPI()
-        self.app.include_router(resources_router(self.toy, self.sessions, self.fence, TOKEN))
+        self.app.include_router(resources_router(self.toy, self.sessions, self.fence, TOKEN, dependencies=dependencies))
         toy, sessions = self.toy, self.sessions
 
         async def call(request: Request, kind: Any, work: Callable[[Key, dict[str, Any]], Awaitable[Any]]
@@ -606,6 +607,33 @@ def test_restore_checks_the_agents_revisions(tmp_path: Path) -> None:
             async with serving(s) as c:
                 r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
                 assert r.status_code == 200, r.text
+    run_async(main)
+
+
+def test_the_resources_servers_of_a_process_share_one_read_of_the_agents(tmp_path: Path) -> None:
+    async def main() -> None:
+        ckdir = tmp_path / "gym"
+        await committed(ckdir)
+        rec = AgentBoundaryRecord(rollout_id="a", attempt_index=0, boundary_index=1, turn_index=1,
+                                  last_committed_model_call_id="a-call-1", resource_state_revisions={NAME: 3})
+        write_agent_dir(ckdir, "save-1", "agent-x", [rec])
+        shared = AgentDependencies()
+        first = Server(dependencies=shared)
+        async with serving(first) as c:
+            r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
+            assert r.status_code == 200, r.text
+        # The agents' index changed under its manifest: a server reading for itself refuses the folder;
+        # one sharing the first server's read is answered from that read (what the manifest binds).
+        index = ckdir / agent_instance_dir("agent-x") / CONTINUATIONS_NAME
+        index.write_bytes(index.read_bytes().replace(f'"{NAME}":3'.encode(), f'"{NAME}":2'.encode()))
+        alone = Server()
+        async with serving(alone) as c:
+            r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
+            assert CONTINUATIONS_NAME in expect_error(r, "resources_checkpoint_error")["detail"]
+        second = Server(dependencies=shared)
+        async with serving(second) as c:
+            r = await c.post(f"{P}/restore", json=body("r1", checkpoint_dir=str(ckdir)), headers=AUTH)
+            assert r.status_code == 200 and second.sessions.bound() == [("a", 1), ("b", 1)]
     run_async(main)
 
 
