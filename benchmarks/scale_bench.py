@@ -47,10 +47,8 @@ copies into the draft after the resume. The bare-files baseline is measured in b
 many threads as Gym's writer uses there (``snapformat.gym_dir.writer_threads``). The restores take
 the last snapshot, a staged one.
 
-**The order levers.** ``--commit-order ORDER`` (with ``--staging``): each repeat also pauses staged
-through an actor committing in ``ORDER``: ``resources_alongside`` (the resources servers at the same
-time as the agents and then the model) or ``resources_with_model`` (the agents, then the model and
-the resources servers at once). ``--restore-concurrent``:
+**The order levers.** ``--commit-alongside`` (with ``--staging``): each repeat also pauses staged
+with the resources servers committing alongside the agents and the model. ``--restore-concurrent``:
 each restore repeat also restores, on fresh servers of its own, with every participant at once
 (``NemoGym(restore_order="concurrent")``). Either way the two orders swap places every repeat.
 """
@@ -79,7 +77,7 @@ from benchmarks import common
 from coordinator.checkpoint import gym_parts
 from coordinator.gym_actor import NemoGym
 from devtools.gym_multihost import HostSpec, ModelSpec, MultiHost, PairSpec, launch
-from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, CommitOrder, RestoreOrder, StepResult
+from gymkit.gym_fleet import AGENTS, MODELS, RESOURCES, RestoreOrder, StepResult
 from refgym.agent_server import MAX_BATCH, MAX_OPEN_CALLS
 from schemas.topology import manifest_fingerprint
 from snapformat import SnapshotStore, layout, open_snapshot
@@ -450,20 +448,21 @@ def _total(step: StepResult, component: str, attr: str) -> int:
 async def measure_point(workdir: Path, token: str, token_file: Path, store_root: Path, servers: int, n: int,
                         repeats: int, tag: str, log: Log, budget_s: float | None = None,
                         actor_pool: int | None = None, staging: Path | None = None,
-                        commit_order: CommitOrder | None = None, restore_concurrent: bool = False) -> dict[str, Any]:
+                        alongside: bool = False, restore_concurrent: bool = False) -> dict[str, Any]:
     """One (servers, rollouts) point: one set-up (not timed), ``repeats`` checkpoints of the live
     rollouts (resumed in between, each running on for :data:`RUN_BETWEEN_S`), then every host
     SIGKILLed and ``repeats`` restores of the last snapshot, each on freshly started servers.
     ``staging`` (the staging lever): each repeat pauses twice, Gym committing into the draft, then
     into a staging folder under ``staging``; both are reported, and the bare-files baseline is
-    measured in both places. ``commit_order`` (the commit-order lever, with ``staging``): each repeat
-    also pauses staged through an actor whose fleet commits in that order (``GymFleet(commit_order=)``);
-    the two staged pauses swap places every repeat, so neither always follows the other. ``restore_concurrent`` (the restore-order
+    measured in both places. ``alongside`` (the commit-order lever, with ``staging``): each repeat
+    also pauses staged through an actor whose fleet commits the resources servers alongside the
+    agents and the model (``commit_order="resources_alongside"``); the two staged pauses swap places
+    every repeat, so neither always follows the other. ``restore_concurrent`` (the restore-order
     lever): each restore repeat restores twice, each time on fresh servers, in NeMo-RL's order and
     with every participant at once (``restore_order="concurrent"``), the two swapping places every
     repeat."""
-    if commit_order is not None and staging is None:
-        raise ValueError("the commit-order lever is measured on staged pauses: give staging too")
+    if alongside and staging is None:
+        raise ValueError("the commit-order lever (alongside) is measured on staged pauses: give staging too")
     store = SnapshotStore(str(store_root))
     t_setup = time.perf_counter()
     dep = deploy(workdir, token_file, servers, tag)
@@ -479,9 +478,9 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         variants: dict[str, tuple[NemoGym, list[tuple[dict[str, float], dict[str, int], dict[str, float]]]]] = {}
         if staging is not None:
             variants["staged"] = (gym, [])
-        if commit_order is not None:  # its JSON key stays "alongside", the lever's first order
+        if alongside:
             variants["alongside"] = (NemoGym(dep.urls, token, control_timeout_s=DEADLINE_S, connections=actor_pool,
-                                             commit_order=commit_order), [])
+                                             commit_order="resources_alongside"), [])
         pauses: list[tuple[dict[str, float], dict[str, int]]] = []
         cpu_draft: list[dict[str, float]] = []  # CPU seconds of each pause's steps
         host_pids = [h.pid for h in dep.hosts]
@@ -492,7 +491,7 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         pause_failures: list[str] = []
         try:
             topology = await gym.discover_checkpoint_capabilities()  # once, before the pauses (as the controller)
-            if commit_order is not None:
+            if alongside:
                 await variants["alongside"][0].discover_checkpoint_capabilities()
             for rep in range(repeats):
                 if rep and over(0.5):
@@ -531,7 +530,7 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
                         f"{_pause_line(v_times)}; servers' CPU in the pause {v_cpu['pause_total_servers']:.2f} s")
         finally:
             await gym.close()
-            if commit_order is not None:
+            if alongside:
                 await variants["alongside"][0].close()
     finally:
         dep.kill()  # the crash: every server of every host, SIGKILL
@@ -608,7 +607,7 @@ async def measure_point(workdir: Path, token: str, token_file: Path, store_root:
         "setup_s": round(setup_s, 1), "restart_s": [round(x, 1) for x in restart_s], "restore_failures": failures, "pause_failures": pause_failures,
         "staged": None if staging is None else _variant(variants["staged"][1], staged_floors) | {
             "root": str(staging), "filesystem": common.filesystem(staging)},
-        "alongside": None if commit_order is None else _variant(variants["alongside"][1]) | {"order": commit_order},
+        "alongside": _variant(variants["alongside"][1]) if alongside else None,
         "restore_concurrent": _restore_variant(by_order["nemo_rl"], by_order["concurrent"]) if restore_concurrent
         else None,
     }
@@ -652,13 +651,13 @@ def _budget(budget_s: float | None) -> Callable[[float], bool]:
 
 def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, log: Log | None = None,
         workdir: Path | None = None, repeats: int | None = None, actor_pool: int | None = None,
-        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S, commit_order: CommitOrder | None = None,
+        staging: Path | None = None, budget_s: float = LARGE_BUDGET_S, alongside: bool = False,
         restore_concurrent: bool = False) -> dict[str, Any]:
     """Measure every (agent servers, rollouts) point; returns the results (JSON-able; see ``markdown``).
     ``actor_pool``: the NemoGym actor's HTTP pool size (default: sized to the servers). ``staging``:
     also pause with Gym's files staged there (see :func:`measure_point`; :func:`ram_staging` is the
-    RAM-backed default); ``commit_order``: also pause staged through an actor committing in that
-    order (the commit-order lever; needs ``staging``); ``restore_concurrent``: also restore with
+    RAM-backed default); ``alongside``: also pause staged with the resources servers committing
+    alongside (the commit-order lever; needs ``staging``); ``restore_concurrent``: also restore with
     every participant at once (the restore-order lever). ``budget_s``: a point of :data:`LARGE_N` rollouts or more stops repeating
     once its pauses used half of it (its restores, all of it)."""
     if not points or any(s < 1 or n < s for s, n in points):
@@ -682,7 +681,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
                 per_point.append(asyncio.run(measure_point(tmp / "hosts", token, token_file,
                                                            tmp / f"store-{servers}-{n}", servers, n, reps,
                                                            f"s{servers}n{n}", log, budget, actor_pool, staging,
-                                                           commit_order, restore_concurrent)))
+                                                           alongside, restore_concurrent)))
             except Exception as exc:  # noqa: BLE001 - reported; the other points still count
                 # What the host processes said (a host that died leaves its traceback there).
                 said = [f"{log_path.name}: {' | '.join(tail)}" for log_path in sorted((tmp / "hosts").glob("*.log"))
@@ -701,7 +700,7 @@ def run(points: tuple[tuple[int, int], ...] = FULL_POINTS, quick: bool = False, 
     return {
         "points": [list(p) for p in points], "quick": quick, "turns": TURNS, "model_slow_ms": MODEL_SLOW_MS,
         "agent_open_calls": MAX_OPEN_CALLS, "max_hosts": MAX_HOSTS, "run_between_s": RUN_BETWEEN_S,
-        "staging": None if staging is None else str(staging), "commit_order": commit_order,
+        "staging": None if staging is None else str(staging), "alongside": alongside,
         "restore_concurrent": restore_concurrent,
         "phases": [{"key": k, "label": label, "includes": what} for k, label, what in PHASES],
         "per_point": per_point, "failed": failed,
@@ -812,33 +811,23 @@ def _order_table(pts: list[dict[str, Any]], rows: tuple[str, ...], lever: str,
 ALONGSIDE_ROWS = ("prepare", "commit", "commit_agent", "commit_model", "commit_resource", "resume", "pause_total")
 
 
-#: What each commit order of the lever does, for its section (keys: ``GymFleet``'s commit orders).
-COMMIT_LEVERS = {
-    "resources_alongside": ("the resources servers commit alongside", "alongside",
-                            "with the resources servers committing at the same time as the agents and then the model"),
-    "resources_with_model": ("the resources servers commit with the model", "with the model",
-                             "with the agents committing first, then the model and the resources servers at once"),
-}
-
-
 def alongside_lines(result: dict[str, Any]) -> list[str]:
     """The commit-order lever's section: each point's staged pause in NeMo-RL's commit order against
-    the same repeats' staged pause in the lever's order; empty when the run did not measure it.
-    (Results from before the lever took an order have no ``order``: theirs was ``resources_alongside``.)"""
+    the same repeats' staged pause with the resources servers committing alongside; empty when the
+    run did not measure it."""
     pts = sorted((p for p in result["per_point"] if p.get("alongside")), key=lambda p: (p["n"], p["servers"]))
     if not pts:
         return []
-    order = pts[0]["alongside"].get("order", "resources_alongside")
-    title, short, what = COMMIT_LEVERS[order]
     lines = [
-        f"## Lever: {title} (`NemoGym(commit_order=\"{order}\")`)",
+        "## Lever: the resources servers commit alongside (`NemoGym(commit_order=\"resources_alongside\")`)",
         "",
         "Each repeat paused staged twice more, 1 s apart, on the same live rollouts, the two swapping places "
         "every repeat: once in NeMo-RL's commit order (agents, then the model, then the resources servers), once "
-        f"{what} (`gymkit.gym_fleet.GymFleet`, `commit_order=\"{order}\"`). CPU seconds are the servers'. "
+        "with the resources servers committing at the same time as the agents and then the model "
+        "(`gymkit.gym_fleet.GymFleet`, `commit_order=\"resources_alongside\"`). CPU seconds are the servers'. "
         "Medians (ms) of the same repeats.",
         "",
-        *_order_table(pts, ALONGSIDE_ROWS, short, lambda p: p["staged"]["median_s"],
+        *_order_table(pts, ALONGSIDE_ROWS, "alongside", lambda p: p["staged"]["median_s"],
                       lambda p: p["alongside"]["median_s"]),
     ]
     cpu = " | ".join(f"{p['staged']['median_cpu_s'].get('commit_servers', 0.0) * 1e3:,.0f} | "
@@ -849,7 +838,7 @@ def alongside_lines(result: dict[str, Any]) -> list[str]:
         target = TARGETS.get((p["servers"], p["n"]))
         verdict = "" if target is None else (f" Against the target of <= {target:g} s: "
                                              f"**{'met' if al['pause_total'] <= target else 'NOT met'}**.")
-        lines.append(f"- ({p['servers']}, {p['n']:,}): {short}, the commit is {al['commit']:.2f} s = "
+        lines.append(f"- ({p['servers']}, {p['n']:,}): alongside, the commit is {al['commit']:.2f} s = "
                      f"{al['commit'] / st['commit']:.2f}x NeMo-RL's order ({st['commit']:.2f} s), and the pause "
                      f"{al['pause_total']:.2f} s = {al['pause_total'] / st['pause_total']:.2f}x "
                      f"({st['pause_total']:.2f} s).{verdict}")
@@ -1250,8 +1239,9 @@ def main(argv: list[str] | None = None) -> int:
                    "connections (the size before issue 22 was 32, whatever the servers)")
     p.add_argument("--staging", type=Path, help="the staging lever: each repeat also pauses with Gym's files "
                    "staged in a folder under this directory (ControllerConfig.gym_staging 'always'; /dev/shm is RAM)")
-    p.add_argument("--commit-order", choices=sorted(COMMIT_LEVERS), help="the commit-order lever (with --staging): "
-                   "each repeat also pauses staged through an actor committing in this order (NemoGym commit_order)")
+    p.add_argument("--commit-alongside", action="store_true", help="the commit-order lever (with --staging): each "
+                   "repeat also pauses staged with the resources servers committing alongside the agents and the "
+                   "model (NemoGym commit_order 'resources_alongside')")
     p.add_argument("--restore-concurrent", action="store_true", help="the restore-order lever: each restore "
                    "repeat also restores (on fresh servers) with every participant at once (NemoGym restore_order "
                    "'concurrent'), the two orders swapping places every repeat")
@@ -1290,7 +1280,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     points = tuple(tuple(x) for x in opts.point) if opts.point else (QUICK_POINTS if opts.quick else FULL_POINTS)
     result = run(points, opts.quick, repeats=opts.repeats, actor_pool=opts.actor_pool,  # type: ignore[arg-type]
-                 staging=opts.staging, budget_s=opts.budget_s, commit_order=opts.commit_order,
+                 staging=opts.staging, budget_s=opts.budget_s, alongside=opts.commit_alongside,
                  restore_concurrent=opts.restore_concurrent)
     if opts.json:
         opts.json.write_bytes(msgspec.json.encode(result))

@@ -16,8 +16,7 @@ The Single Controller never talks to Gym itself; it calls this actor (a Ray acto
   participant called stays paused under the id until the caller prepares it again or aborts it;
 - ``commit_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir)``: agents -> policy model (given
   the agents' continuation indexes) -> resources, each writing its files into ``checkpoint_dir``
-  (with ``commit_order="resources_alongside"``, resources at the same time as agents -> model; with
-  ``"resources_with_model"``, agents -> model and resources at once);
+  (with ``commit_order="resources_alongside"``, resources at the same time as agents -> model);
 - ``restore_checkpoint(checkpoint_id, deadline_ts, checkpoint_dir, source_checkpoint_id=None)``:
   models -> agents -> resources (with ``restore_order="concurrent"``, all at once), all staying
   paused (dispatch frozen until the resume);
@@ -114,7 +113,7 @@ def _as_gym_call_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 class NemoGym:
     """Calls to a set of Gym servers, each control call authenticated with ``token``. ``connections``:
     the HTTP pool's size (default :func:`pool_size` of the servers). ``commit_order``: NeMo-RL's
-    (default), ``"resources_alongside"`` or ``"resources_with_model"``; ``restore_order``: NeMo-RL's (default), or
+    (default), or ``"resources_alongside"``; ``restore_order``: NeMo-RL's (default), or
     ``"concurrent"`` (:class:`gymkit.gym_fleet.GymFleet`)."""
 
     def __init__(self, servers: Mapping[str, str] | Sequence[str], token: str, *,

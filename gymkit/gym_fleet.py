@@ -38,11 +38,6 @@ server of the one before has answered (a failure fails the step once its sibling
   already prepared, so its state is frozen; the model reads only the agents' indexes; each writes
   its own folder), and the pause then waits for the longer of the two chains, not their sum. A
   failure still fails the step only once both chains have answered.
-  ``commit_order="resources_with_model"`` commits the agents, then the model and the resources
-  servers at once: the same reasons, with the resources servers kept off the agents' step (servers
-  sharing hosts with the agents then do not slow it) and run during the model's, which is one
-  process. A failure of the agents' step commits neither; a failure of the second step is raised
-  once both have answered.
 * restore: models -> agents -> resources (``restore_order="nemo_rl"``, the default); with
   ``source_checkpoint_id`` each must report it. ``restore_order="concurrent"`` restores every
   participant at once: nothing orders them (each reads only files in ``checkpoint_dir``: its own
@@ -95,10 +90,9 @@ PREPARE_ORDER = (MODELS, AGENTS, RESOURCES)
 COMMIT_ORDER = (AGENTS, MODELS, RESOURCES)
 RESTORE_ORDER = (MODELS, AGENTS, RESOURCES)
 RESUME_ORDER = (RESOURCES, MODELS, AGENTS)  # the design note's; also abort's
-#: ``GymFleet(commit_order=...)``: NeMo-RL's (agents -> model -> resources), agents -> model with
-#: the resources servers committing alongside, or agents -> (model and resources at once) (see the
-#: module docstring).
-CommitOrder = Literal["nemo_rl", "resources_alongside", "resources_with_model"]
+#: ``GymFleet(commit_order=...)``: NeMo-RL's (agents -> model -> resources), or agents -> model with
+#: the resources servers committing alongside (see the module docstring).
+CommitOrder = Literal["nemo_rl", "resources_alongside"]
 COMMIT_ORDERS: tuple[str, ...] = get_args(CommitOrder)
 #: ``GymFleet(restore_order=...)``: NeMo-RL's (models -> agents -> resources), or every participant at
 #: once (see the module docstring).
@@ -525,36 +519,26 @@ class GymFleet:
 
     async def commit(self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str) -> CommitResult:
         """Agents, then the policy model (given every agent's continuation index), then resources
-        (or resources alongside, or with the model: :attr:`commit_order`), each writing its files into
-        ``checkpoint_dir``."""
+        (or resources alongside: :attr:`commit_order`), each writing its files into ``checkpoint_dir``."""
         replies: dict[str, ParticipantReply] = {}
         agents = self.exporting(AGENTS)
 
-        def commit_agents() -> Awaitable[None]:
-            return self._step(agents, replies,
-                              lambda s: s.client.agent.commit(checkpoint_id, deadline_ts, checkpoint_dir))
-
-        def commit_model() -> Awaitable[None]:  # after the agents: it is given their continuation indexes
+        async def agents_then_model() -> None:
+            await self._step(agents, replies,
+                             lambda s: s.client.agent.commit(checkpoint_id, deadline_ts, checkpoint_dir))
             indexes = [replies[s.server_name].reply.continuation_index for s in agents]
-            return self._step(self.exporting(MODELS), replies,
-                              lambda s: s.client.model.commit(checkpoint_id, deadline_ts, checkpoint_dir, indexes))
+            await self._step(self.exporting(MODELS), replies,
+                             lambda s: s.client.model.commit(checkpoint_id, deadline_ts, checkpoint_dir, indexes))
 
-        def commit_resources() -> Awaitable[None]:
+        def resources() -> Awaitable[None]:
             return self._step(self.exporting(RESOURCES), replies,
                               lambda s: s.client.resources.commit(checkpoint_id, deadline_ts, checkpoint_dir))
 
-        async def agents_then_model() -> None:
-            await commit_agents()
-            await commit_model()
-
         if self.commit_order == "resources_alongside":
-            await _all([agents_then_model(), commit_resources()])
-        elif self.commit_order == "resources_with_model":
-            await commit_agents()
-            await _all([commit_model(), commit_resources()])
+            await _all([agents_then_model(), resources()])
         else:
             await agents_then_model()
-            await commit_resources()
+            await resources()
         order = [s for c in COMMIT_ORDER for s in self.exporting(c)]
         return CommitResult(checkpoint_id=checkpoint_id, checkpoint_dir=checkpoint_dir,
                             participants=[replies[s.server_name] for s in order])

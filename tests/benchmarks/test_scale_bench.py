@@ -1,7 +1,7 @@
 """A tiny run of the scale benchmark (issue 22 §2): 2 agent servers hosted in one process with their
 resources servers, a model in another, 40 rollouts, one pause into the draft, one staged (the
-staging lever) and one staged with the resources servers committing with the model (the
-commit-order lever), and one restore in each restore order (the restore-order lever). Asserts what the servers did (every rollout parked, committed,
+staging lever) and one staged with the resources servers committing alongside (the commit-order
+lever), and one restore in each restore order (the restore-order lever). Asserts what the servers did (every rollout parked, committed,
 restored; the counts agree; the report and plot are written), never how fast."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ POINT = (2, 40)
 def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     res = scale_bench.run(points=(POINT,), quick=True, log=lambda _msg: None, workdir=tmp_path / "scratch",
-                          staging=staging, commit_order="resources_with_model", restore_concurrent=True)
+                          staging=staging, alongside=True, restore_concurrent=True)
 
     assert res["failed"] == [] and len(res["per_point"]) == 1
     p = res["per_point"][0]
@@ -54,8 +54,8 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     assert set(scale_bench.STAGED_ROWS) <= set(st["median_s"]) and all(st["median_s"][k] > 0
                                                                        for k in scale_bench.STAGED_ROWS), st
     assert not any(staging.iterdir())  # each staging folder removed after its publish, the baseline's too
-    al = p["alongside"]  # and once more through an actor committing the resources servers with the model
-    assert al["order"] == "resources_with_model" and len(al["pauses"]) == 1 and set(scale_bench.ALONGSIDE_ROWS) <= set(al["median_s"])
+    al = p["alongside"]  # and once more through an actor committing the resources servers alongside
+    assert len(al["pauses"]) == 1 and set(scale_bench.ALONGSIDE_ROWS) <= set(al["median_s"])
     ac = al["pauses"][0]["counts"]
     assert ac["agent_commit_parked"] == ac["model_commit_rollouts"] == ac["resource_commit_sessions"] == n, ac
     rc = p["restore_concurrent"]  # the same snapshot restored again on fresh servers, every participant at once
@@ -76,7 +76,7 @@ def test_scale_bench_tiny_run(tmp_path: Path) -> None:
     for _, label, _ in scale_bench.PHASES:
         assert label.strip() in md, label
     assert "## Lever: Gym's files staged in RAM" in md and "| 2 srv, 40: draft | staged |" in md
-    assert "## Lever: the resources servers commit with the model" in md and "NeMo-RL's order | with the model |" in md
+    assert "## Lever: the resources servers commit alongside" in md and "NeMo-RL's order | alongside |" in md
     assert "## Lever: every participant restores at once" in md and "NeMo-RL's order | concurrent |" in md
     assert "## Where the pause's CPU goes" in md and "| 2 srv, 40: wall s | servers CPU s |" in md
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # cleaned up

@@ -196,56 +196,6 @@ def test_resources_alongside_raises_a_failure_only_once_both_chains_have_answere
     run(gyms, scenario, commit_order="resources_alongside")
 
 
-def test_resources_with_model_commits_the_resources_during_the_models_commit() -> None:
-    gyms = servers()
-    log = gyms["policy"].log
-    _slow(gyms["agent0"], "agent-checkpoint/commit", 0.3)
-    _slow(gyms["policy"], "model-checkpoint/commit", 0.4)
-
-    async def scenario(fleet: GymFleet) -> None:
-        commit = await fleet.commit("c1", time.time() + 30, "/snap/draft/gym")
-        got = calls(log)
-        # Nothing else is sent while the slow agent commits; then the model and the resources server
-        # both, the resources' sent while the slow model was still committing.
-        assert sorted(got[:2]) == [("agent0", "agent-checkpoint/commit"), ("agent1", "agent-checkpoint/commit")]
-        assert sorted(got[2:]) == [("policy", "model-checkpoint/commit"), ("tools", "resources-checkpoint/commit")]
-        (model_commit,) = gyms["policy"].calls("model-checkpoint/commit")
-        (tools_commit,) = gyms["tools"].calls("resources-checkpoint/commit")
-        assert tools_commit.at - model_commit.at < 0.3
-        assert len(model_commit.json["continuation_indexes"]) == 2
-        assert [(p.component, p.name) for p in commit.participants] == [
-            (AGENTS, "agent0"), (AGENTS, "agent1"), (MODELS, "policy"), (RESOURCES, "tools")]
-
-    run(gyms, scenario, commit_order="resources_with_model")
-
-
-@pytest.mark.parametrize("failing", ["agent0", "policy", "tools"])
-def test_resources_with_model_commits_after_the_agents_and_raises_once_both_answered(failing: str) -> None:
-    gyms = servers()
-    log = gyms["policy"].log
-    route = {"agent0": "agent-checkpoint/commit", "policy": "model-checkpoint/commit",
-             "tools": "resources-checkpoint/commit"}[failing]
-    _slow(gyms[failing], route, 0.2, refusal("control_error", "disk gone"))
-    if failing != "agent0":  # the other of the second step answers last
-        other = "tools" if failing == "policy" else "policy"
-        _slow(gyms[other], "resources-checkpoint/commit" if other == "tools" else "model-checkpoint/commit", 0.4)
-
-    async def scenario(fleet: GymFleet) -> None:
-        with pytest.raises(ControlCallError) as err:
-            await fleet.commit("c1", time.time() + 30, "/snap/draft/gym")
-        assert (err.value.code, err.value.name) == ("control_error", failing)
-        sent = set(calls(log))
-        # An agent failed: neither the model nor the resources server was asked. Otherwise both were,
-        # and the step waited for the other's (slower) answer before raising.
-        assert (("policy", "model-checkpoint/commit") in sent) == (failing != "agent0")
-        assert (("tools", "resources-checkpoint/commit") in sent) == (failing != "agent0")
-        if failing != "agent0":
-            other = "tools" if failing == "policy" else "policy"
-            assert all(seen.answered for seen in gyms[other].calls())
-
-    run(gyms, scenario, commit_order="resources_with_model")
-
-
 def test_an_unknown_commit_order_is_refused() -> None:
     with pytest.raises(ValueError, match="commit_order is 'parallel', expected one of"):
         GymFleet([object()], commit_order="parallel")  # type: ignore[list-item, arg-type]
