@@ -17,14 +17,14 @@ key is taken again after a read; an entry is kept only if no manifest changed me
 
 **Threads.** Gym's kit restores in ``asyncio.to_thread``, so the servers of a process ask at once:
 one reads while the others wait for its answer. A read that fails keeps nothing: each waiting server
-then reads for itself and reports its own error.
+then reads for itself and reports its own error. Only the last dir read is kept: a resources server
+restores once per process, and a retry reads the same dir.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,9 +35,6 @@ from schemas.gym_files import AGENT_DIR, MANIFEST_NAME
 Key = tuple[str, int]  # (rollout id, attempt index)
 #: One checkpoint dir's manifests: (dir, ((manifest path, its SHA-256), ...)).
 _Manifests = tuple[str, tuple[tuple[str, str], ...]]
-
-#: Checkpoint dirs whose answers a process keeps (a restore reads one; a second is a retry's).
-KEEP_DIRS = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,7 @@ class _Answers:
 
 @dataclass
 class _Entry:
+    key: _Manifests
     lock: threading.Lock = field(default_factory=threading.Lock)
     answers: _Answers | None = None
 
@@ -58,10 +56,9 @@ class AgentDependencies:
     """The agents' dependency indexes of a checkpoint dir, read once and shared by the resources
     servers given the same instance (see the module's docstring). Thread-safe."""
 
-    def __init__(self, keep: int = KEEP_DIRS) -> None:
-        self._keep = keep
-        self._lock = threading.Lock()  # guards _entries; an entry's own lock guards its read
-        self._entries: OrderedDict[_Manifests, _Entry] = OrderedDict()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _last; the entry's own lock guards its read
+        self._last: _Entry | None = None
 
     def revisions(self, checkpoint_dir: str, server_name: str) -> dict[Key, int]:
         """What the agents' committed boundary records in ``checkpoint_dir/agent`` say they saw of
@@ -72,21 +69,18 @@ class AgentDependencies:
         entry = self._entry(key)
         with entry.lock:
             if entry.answers is None:
-                answers = _read(checkpoint_dir)
+                answers = _read(key)
                 if _manifests(checkpoint_dir) != key:  # a manifest changed under the read: not for others
                     return _answer(answers, server_name)
                 entry.answers = answers
         return _answer(entry.answers, server_name)
 
     def _entry(self, key: _Manifests) -> _Entry:
+        """The entry of ``key``: the last one if it is that dir with those manifests, else a new last."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = _Entry()
-                while len(self._entries) > self._keep:
-                    self._entries.popitem(last=False)
-            self._entries.move_to_end(key)
-            return entry
+            if self._last is None or self._last.key != key:
+                self._last = _Entry(key)
+            return self._last
 
 
 def _manifests(checkpoint_dir: str) -> _Manifests:
@@ -97,15 +91,13 @@ def _manifests(checkpoint_dir: str) -> _Manifests:
                                                       for p in paths)
 
 
-def _read(checkpoint_dir: str) -> _Answers:
-    """Every agent folder's dependency index, turned round: server -> (rid, n) -> revision."""
+def _read(manifests: _Manifests) -> _Answers:
+    """The dependency index of every agent folder ``manifests`` names, turned round: server ->
+    (rid, n) -> revision."""
     by_server: dict[str, dict[Key, int]] = {}
     disagreements: dict[str, str] = {}
-    root = Path(checkpoint_dir) / AGENT_DIR
-    if not root.is_dir():
-        return _Answers(by_server, disagreements)
-    for manifest_path in sorted(root.rglob(MANIFEST_NAME)):
-        for key, revisions in iter_resource_dependencies(manifest_path.parent):
+    for manifest_path, _ in manifests[1]:
+        for key, revisions in iter_resource_dependencies(Path(manifest_path).parent):
             for server, rev in revisions.items():
                 seen = by_server.setdefault(server, {})
                 if seen.setdefault(key, rev) != rev and server not in disagreements:
